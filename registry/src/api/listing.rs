@@ -1,0 +1,72 @@
+//! Listings served from the index: tags, `_catalog` (both paginated with `n` and `last`
+//! and a `Link` header) and referrers (with the `artifactType` filter).
+
+use axum::extract::Request;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+
+use super::manifests::OCI_INDEX;
+use super::{param, query, AppState};
+use crate::digest::Digest;
+use crate::error::{ApiError, ApiResult};
+use crate::names::RepoName;
+
+/// Page size when the client gives no `n`, and the largest one it may ask for.
+const DEFAULT_PAGE: usize = 1000;
+const MAX_PAGE: usize = 10_000;
+
+fn page_params(req: &Request) -> ApiResult<(Option<String>, usize)> {
+    let q = query(req);
+    let n = match param(&q, "n") {
+        None => DEFAULT_PAGE,
+        Some(v) => v
+            .parse::<usize>()
+            .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "PAGINATION_NUMBER_INVALID", format!("n={v:?} is not a number")))?
+            .min(MAX_PAGE),
+    };
+    Ok((param(&q, "last").map(str::to_string), n))
+}
+
+fn paged(path: &str, body: Value, items: &[String], more: bool, n: usize) -> Response {
+    let mut resp = (StatusCode::OK, axum::Json(body)).into_response();
+    if let (true, Some(last)) = (more, items.last()) {
+        let q = serde_urlencoded::to_string([("n", n.to_string()), ("last", last.clone())]).expect("encodes");
+        if let Ok(v) = format!("<{path}?{q}>; rel=\"next\"").parse() {
+            resp.headers_mut().insert(header::LINK, v);
+        }
+    }
+    resp
+}
+
+pub async fn tags(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Response> {
+    let (last, n) = page_params(&req)?;
+    if !reg.index.repo_exists(&name)? {
+        return Err(ApiError::name_unknown(&name));
+    }
+    let (tags, more) = reg.index.tags(&name, last.as_deref(), n)?;
+    let body = json!({"name": name.as_str(), "tags": tags});
+    Ok(paged(&format!("/v2/{name}/tags/list"), body, &tags, more, n))
+}
+
+pub async fn catalog(reg: &AppState, req: Request) -> ApiResult<Response> {
+    let (last, n) = page_params(&req)?;
+    let (repos, more) = reg.index.catalog(last.as_deref(), n)?;
+    let body = json!({"repositories": repos});
+    Ok(paged("/v2/_catalog", body, &repos, more, n))
+}
+
+pub async fn referrers(reg: &AppState, name: RepoName, subject: Digest, req: Request) -> ApiResult<Response> {
+    let q = query(&req);
+    let filter = param(&q, "artifactType");
+    let mut manifests = reg.index.referrers(&name, &subject)?;
+    if let Some(f) = filter {
+        manifests.retain(|d| d.get("artifactType").and_then(Value::as_str) == Some(f));
+    }
+    let body = json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": manifests});
+    let mut resp = (StatusCode::OK, [(header::CONTENT_TYPE, OCI_INDEX)], body.to_string()).into_response();
+    if filter.is_some() {
+        resp.headers_mut().insert("OCI-Filters-Applied", "artifactType".parse().expect("literal"));
+    }
+    Ok(resp)
+}

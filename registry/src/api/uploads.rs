@@ -1,0 +1,296 @@
+//! Blob uploads: POST (session, monolithic `?digest=`, cross-repository `?mount=&from=`),
+//! PATCH (streamed, with or without `Content-Range`), PUT `?digest=` (verify, publish),
+//! GET (status) and DELETE (cancel).
+//!
+//! Invariant: a session's acknowledged offset (in the index) only moves forward after
+//! the staged bytes up to it are durable; a request that fails mid-stream leaves the
+//! staged data cut back to the acknowledged offset.
+
+use axum::extract::Request;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+
+use super::{header_str, param, query, request_stream, AppState};
+use crate::digest::{Algorithm, Digest};
+use crate::error::{ApiError, ApiResult};
+use crate::index::UploadSession;
+use crate::names::RepoName;
+use crate::registry::{now_unix, HashState};
+use crate::store::{ObjectKey, StoreError};
+
+fn location(name: &RepoName, id: &str) -> String {
+    format!("/v2/{name}/blobs/uploads/{id}")
+}
+
+fn range_value(offset: u64) -> String {
+    format!("0-{}", offset.saturating_sub(1))
+}
+
+/// 202 with the session's location and acknowledged range.
+fn accepted(name: &RepoName, id: &str, offset: u64, status: StatusCode) -> Response {
+    (
+        status,
+        [
+            (header::LOCATION, location(name, id)),
+            (header::RANGE, range_value(offset)),
+            (header::CONTENT_LENGTH, "0".to_string()),
+            (header::HeaderName::from_static("docker-upload-uuid"), id.to_string()),
+        ],
+    )
+        .into_response()
+}
+
+fn created(name: &RepoName, digest: &Digest) -> Response {
+    (
+        StatusCode::CREATED,
+        [
+            (header::LOCATION, format!("/v2/{name}/blobs/{digest}")),
+            (header::CONTENT_LENGTH, "0".to_string()),
+            (header::HeaderName::from_static("docker-content-digest"), digest.to_string()),
+        ],
+    )
+        .into_response()
+}
+
+fn digest_param(q: &[(String, String)]) -> ApiResult<Option<Digest>> {
+    param(q, "digest")
+        .map(|d| d.parse().map_err(|e: crate::digest::DigestError| ApiError::digest_invalid(e.to_string())))
+        .transpose()
+}
+
+/// Parses `Content-Range` of an upload chunk: `start-end`, optionally with a `bytes=` or
+/// `bytes ` prefix and a `/total` suffix. Returns the inclusive (start, end).
+pub fn parse_content_range(v: &str) -> Option<(u64, u64)> {
+    let v = v.trim();
+    let v = v.strip_prefix("bytes=").or_else(|| v.strip_prefix("bytes ")).unwrap_or(v);
+    let v = v.split_once('/').map(|(r, _)| r).unwrap_or(v);
+    let (a, b) = v.split_once('-')?;
+    let (a, b) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+    (b >= a).then_some((a, b))
+}
+
+pub async fn start(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Response> {
+    let q = query(&req);
+    if let Some(m) = param(&q, "mount") {
+        let digest: Digest = m
+            .parse()
+            .map_err(|e: crate::digest::DigestError| ApiError::digest_invalid(e.to_string()))?;
+        if let Some(from) = param(&q, "from") {
+            let from = RepoName::parse(from)?;
+            if let Some(size) = reg.index.repo_blob(&from, &digest)? {
+                reg.index.put_blob(&name, &digest, size)?;
+                return Ok(created(&name, &digest));
+            }
+        }
+        // Not mountable: fall back to a new session (202), as the spec allows.
+    }
+    let digest = if param(&q, "mount").is_some() { None } else { digest_param(&q)? };
+    let id = uuid::Uuid::new_v4().to_string();
+    let now = now_unix();
+    let mut session = UploadSession {
+        repo: name.to_string(),
+        offset: 0,
+        created_unix: now,
+        updated_unix: now,
+    };
+    reg.index.put_upload(&id, &session)?;
+    match digest {
+        None => Ok(accepted(&name, &id, 0, StatusCode::ACCEPTED)),
+        Some(digest) => {
+            let lock = reg.session_lock(&id);
+            let mut state = lock.lock().await;
+            append(reg, &id, &mut session, &mut state, req).await?;
+            complete(reg, &name, &id, &session, &mut state, digest).await
+        }
+    }
+}
+
+fn load(reg: &AppState, name: &RepoName, id: &str) -> ApiResult<UploadSession> {
+    match reg.index.upload(id)? {
+        Some(s) if s.repo == name.as_str() => Ok(s),
+        _ => Err(ApiError::upload_unknown(id)),
+    }
+}
+
+pub async fn status(reg: &AppState, name: RepoName, id: String) -> ApiResult<Response> {
+    let s = load(reg, &name, &id)?;
+    Ok(accepted(&name, &id, s.offset, StatusCode::NO_CONTENT))
+}
+
+pub async fn patch(reg: &AppState, name: RepoName, id: String, req: Request) -> ApiResult<Response> {
+    load(reg, &name, &id)?;
+    let lock = reg.session_lock(&id);
+    let mut state = lock.lock().await;
+    // Re-read under the lock: another request may have moved or finished the session.
+    let mut s = load(reg, &name, &id)?;
+    append(reg, &id, &mut s, &mut state, req).await?;
+    Ok(accepted(&name, &id, s.offset, StatusCode::ACCEPTED))
+}
+
+pub async fn finish(reg: &AppState, name: RepoName, id: String, req: Request) -> ApiResult<Response> {
+    let digest = digest_param(&query(&req))?
+        .ok_or_else(|| ApiError::digest_invalid("completing an upload needs the blob's digest: PUT …?digest=<algorithm>:<hex>"))?;
+    load(reg, &name, &id)?;
+    let lock = reg.session_lock(&id);
+    let mut state = lock.lock().await;
+    let mut s = load(reg, &name, &id)?;
+    append(reg, &id, &mut s, &mut state, req).await?;
+    complete(reg, &name, &id, &s, &mut state, digest).await
+}
+
+pub async fn cancel(reg: &AppState, name: RepoName, id: String) -> ApiResult<Response> {
+    load(reg, &name, &id)?;
+    let lock = reg.session_lock(&id);
+    let _state = lock.lock().await;
+    load(reg, &name, &id)?;
+    drop_session(reg, &id).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn drop_session(reg: &AppState, id: &str) -> ApiResult<()> {
+    reg.store.remove_staged(id).await?;
+    reg.index.delete_upload(id)?;
+    reg.forget_session(id);
+    Ok(())
+}
+
+/// Appends the request body to session `id` and acknowledges it.
+async fn append(
+    reg: &AppState,
+    id: &str,
+    s: &mut UploadSession,
+    state: &mut Option<HashState>,
+    req: Request,
+) -> ApiResult<()> {
+    let headers: &HeaderMap = req.headers();
+    let name = RepoName::parse(&s.repo)?;
+    let declared_len: Option<u64> = header_str(headers, header::CONTENT_LENGTH).and_then(|v| v.parse().ok());
+    let mut expect_len = None;
+    if let Some(cr) = header_str(headers, header::CONTENT_RANGE) {
+        let (start, end) = parse_content_range(cr)
+            .ok_or_else(|| ApiError::upload_invalid(format!("Content-Range {cr:?} is malformed; expected <start>-<end>")))?;
+        if start != s.offset {
+            return Err(ApiError::new(
+                StatusCode::RANGE_NOT_SATISFIABLE,
+                "BLOB_UPLOAD_INVALID",
+                format!("chunk starts at byte {start} but the upload has {} bytes; resume at {}", s.offset, s.offset),
+            )
+            .with_header(header::RANGE, &range_value(s.offset))
+            .with_header(header::LOCATION, &location(&name, id)));
+        }
+        let n = end - start + 1;
+        if declared_len.is_some_and(|cl| cl != n) {
+            return Err(ApiError::upload_invalid(format!(
+                "Content-Range {cr:?} covers {n} bytes but Content-Length is {}",
+                declared_len.unwrap_or(0)
+            )));
+        }
+        expect_len = Some(n);
+    }
+    // Staged bytes past the acknowledged offset belong to a request that never finished.
+    match reg.store.staged_len(id).await? {
+        Some(len) if len != s.offset => {
+            reg.store.truncate_staged(id, s.offset).await?;
+            *state = None;
+        }
+        None if s.offset > 0 => {
+            drop_session(reg, id).await?;
+            return Err(ApiError::upload_unknown(id));
+        }
+        _ => {}
+    }
+    let mut hs = if s.offset == 0 {
+        Some(HashState::new())
+    } else {
+        state.take().filter(|h| h.hashed == s.offset)
+    };
+    metrics::gauge!(crate::metrics::UPLOADS_IN_FLIGHT).increment(1.0);
+    let res = reg
+        .store
+        .append_staged(id, s.offset, request_stream(req), &mut |chunk: &[u8]| {
+            if let Some(h) = hs.as_mut() {
+                h.hasher.update(chunk);
+                h.hashed += chunk.len() as u64;
+            }
+            metrics::counter!(crate::metrics::BYTES_IN).increment(chunk.len() as u64);
+        })
+        .await;
+    metrics::gauge!(crate::metrics::UPLOADS_IN_FLIGHT).decrement(1.0);
+    let written = match res {
+        Ok(len) => len - s.offset,
+        Err(e) => {
+            *state = None;
+            let _ = reg.store.truncate_staged(id, s.offset).await;
+            return Err(match e {
+                StoreError::Body(err) => ApiError::upload_invalid(format!(
+                    "the request body ended early ({err}); the upload keeps its first {} bytes, resume from there",
+                    s.offset
+                )),
+                StoreError::OffsetMismatch { .. } | StoreError::NotFound(_) => ApiError::upload_unknown(id),
+                other => other.into(),
+            });
+        }
+    };
+    if let Some(n) = expect_len.filter(|&n| n != written) {
+        *state = None;
+        reg.store.truncate_staged(id, s.offset).await?;
+        return Err(ApiError::upload_invalid(format!(
+            "Content-Range announced {n} bytes but the body had {written}"
+        )));
+    }
+    s.offset += written;
+    s.updated_unix = now_unix();
+    reg.index.put_upload(id, s)?;
+    *state = hs;
+    Ok(())
+}
+
+/// Verifies the staged bytes against `digest` and publishes them as the blob.
+async fn complete(
+    reg: &AppState,
+    name: &RepoName,
+    id: &str,
+    s: &UploadSession,
+    state: &mut Option<HashState>,
+    digest: Digest,
+) -> ApiResult<Response> {
+    let actual = match state.take() {
+        Some(h) if h.hashed == s.offset && digest.algorithm() == Algorithm::Sha256 => h.hasher.finish(),
+        _ => {
+            let mut hasher = digest.algorithm().hasher();
+            let mut stream = reg.store.read_staged(id).await?;
+            while let Some(chunk) = stream.next().await {
+                hasher.update(&chunk.map_err(|e| ApiError::internal("reading staged upload", e))?);
+            }
+            hasher.finish()
+        }
+    };
+    if actual != digest {
+        drop_session(reg, id).await?;
+        return Err(ApiError::digest_invalid(format!(
+            "the uploaded {} bytes have digest {actual}, not {digest}; the upload was discarded",
+            s.offset
+        )));
+    }
+    reg.store.publish_staged(id, &ObjectKey::blob(&digest)).await?;
+    reg.index.put_blob(name, &digest, s.offset)?;
+    reg.index.delete_upload(id)?;
+    reg.forget_session(id);
+    Ok(created(name, &digest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_content_range;
+
+    #[test]
+    fn content_ranges() {
+        assert_eq!(parse_content_range("0-99999"), Some((0, 99999)));
+        assert_eq!(parse_content_range("bytes=10-19"), Some((10, 19)));
+        assert_eq!(parse_content_range("bytes 10-19/20"), Some((10, 19)));
+        assert_eq!(parse_content_range("10-9"), None);
+        assert_eq!(parse_content_range("x-y"), None);
+        assert_eq!(parse_content_range("10"), None);
+    }
+}

@@ -1,0 +1,239 @@
+//! Registry configuration: defaults, then a TOML file, then `AMBER_*` environment
+//! variables, then command-line flags, each overriding the one before.
+//!
+//! The file may nest (`[s3] endpoint = …`); every key also exists as a flat `AMBER_*`
+//! variable (`AMBER_S3_ENDPOINT`), as shared/DESIGN.md fixes.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+/// Which object store backend holds content.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum StorageKind {
+    Fs,
+    S3,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct S3Config {
+    pub endpoint: Option<String>,
+    pub bucket: Option<String>,
+    pub region: Option<String>,
+    pub path_style: Option<bool>,
+}
+
+/// The configuration file, every key optional.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub listen: Option<SocketAddr>,
+    pub data: Option<PathBuf>,
+    pub storage: Option<StorageKind>,
+    pub s3: Option<S3Config>,
+    pub auth: Option<String>,
+    pub users: Option<PathBuf>,
+    pub upload_ttl_secs: Option<u64>,
+    pub max_manifest_bytes: Option<usize>,
+    pub immutable_tags: Option<Vec<String>>,
+}
+
+/// Flags of `amber-registry serve` (and fsck), each also an `AMBER_*` variable.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct ConfigArgs {
+    /// TOML configuration file.
+    #[arg(long, env = "AMBER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on (port 0 picks a free port; the bound address is printed).
+    #[arg(long, env = "AMBER_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Data directory: the object store (fs backend) and the RocksDB index.
+    #[arg(long, env = "AMBER_DATA")]
+    pub data: Option<PathBuf>,
+    /// Object store backend.
+    #[arg(long, env = "AMBER_STORAGE", value_enum)]
+    pub storage: Option<StorageKind>,
+    #[arg(long, env = "AMBER_S3_ENDPOINT")]
+    pub s3_endpoint: Option<String>,
+    #[arg(long, env = "AMBER_S3_BUCKET")]
+    pub s3_bucket: Option<String>,
+    #[arg(long, env = "AMBER_S3_REGION")]
+    pub s3_region: Option<String>,
+    #[arg(long, env = "AMBER_S3_PATH_STYLE")]
+    pub s3_path_style: Option<bool>,
+    /// Authentication: none | basic | token.
+    #[arg(long, env = "AMBER_AUTH")]
+    pub auth: Option<String>,
+    #[arg(long, env = "AMBER_USERS")]
+    pub users: Option<PathBuf>,
+    /// Seconds after its last request at which an abandoned upload session is removed.
+    #[arg(long, env = "AMBER_UPLOAD_TTL_SECS")]
+    pub upload_ttl_secs: Option<u64>,
+    /// Largest manifest accepted, in bytes.
+    #[arg(long, env = "AMBER_MAX_MANIFEST_BYTES")]
+    pub max_manifest_bytes: Option<usize>,
+    /// Repositories whose tags never move once set: exact names, or prefixes ending in
+    /// `/*` or `*`. Comma separated.
+    #[arg(long, env = "AMBER_IMMUTABLE_TAGS", value_delimiter = ',')]
+    pub immutable_tags: Option<Vec<String>>,
+}
+
+/// The resolved configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub data: PathBuf,
+    pub storage: StorageKind,
+    pub s3: S3Config,
+    pub auth: String,
+    pub users: Option<PathBuf>,
+    pub upload_ttl_secs: u64,
+    pub max_manifest_bytes: usize,
+    pub immutable_tags: Vec<String>,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            listen: "127.0.0.1:5000".parse().expect("literal address"),
+            data: PathBuf::from("./data"),
+            storage: StorageKind::Fs,
+            s3: S3Config::default(),
+            auth: "none".into(),
+            users: None,
+            upload_ttl_secs: 24 * 3600,
+            max_manifest_bytes: 4 * 1024 * 1024,
+            immutable_tags: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: toml::de::Error,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl ConfigArgs {
+    /// Merges defaults, the file named by `--config`, and these flags/variables.
+    pub fn resolve(&self) -> Result<Config, ConfigError> {
+        let file = match &self.config {
+            None => FileConfig::default(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                    path: path.clone(),
+                    source,
+                })?
+            }
+        };
+        let d = Config::default();
+        let fs3 = file.s3.clone().unwrap_or_default();
+        let cfg = Config {
+            listen: self.listen.or(file.listen).unwrap_or(d.listen),
+            data: self.data.clone().or(file.data).unwrap_or(d.data),
+            storage: self.storage.or(file.storage).unwrap_or(d.storage),
+            s3: S3Config {
+                endpoint: self.s3_endpoint.clone().or(fs3.endpoint),
+                bucket: self.s3_bucket.clone().or(fs3.bucket),
+                region: self.s3_region.clone().or(fs3.region),
+                path_style: self.s3_path_style.or(fs3.path_style),
+            },
+            auth: self.auth.clone().or(file.auth).unwrap_or(d.auth),
+            users: self.users.clone().or(file.users),
+            upload_ttl_secs: self.upload_ttl_secs.or(file.upload_ttl_secs).unwrap_or(d.upload_ttl_secs),
+            max_manifest_bytes: self
+                .max_manifest_bytes
+                .or(file.max_manifest_bytes)
+                .unwrap_or(d.max_manifest_bytes),
+            immutable_tags: self.immutable_tags.clone().or(file.immutable_tags).unwrap_or_default(),
+        };
+        if cfg.auth != "none" {
+            return Err(ConfigError::Invalid(format!(
+                "auth {:?} is not available yet: only `none` is implemented (authentication is tracked by the security issue)",
+                cfg.auth
+            )));
+        }
+        if !cfg.listen.ip().is_loopback() {
+            return Err(ConfigError::Invalid(format!(
+                "refusing to listen on {} without authentication: use a loopback address",
+                cfg.listen
+            )));
+        }
+        if cfg.storage == StorageKind::S3 {
+            return Err(ConfigError::Invalid(
+                "storage `s3` is not available yet (tracked by the S3 issue); use `fs`".into(),
+            ));
+        }
+        Ok(cfg)
+    }
+}
+
+impl Config {
+    /// Whether tags of `repo` are immutable under `immutable_tags`.
+    pub fn tags_immutable(&self, repo: &str) -> bool {
+        self.immutable_tags.iter().any(|p| match p.strip_suffix('*') {
+            Some(prefix) => repo.starts_with(prefix),
+            None => repo == p,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_then_flags_override_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("amber.toml");
+        std::fs::write(
+            &path,
+            "data = \"/srv/amber\"\nupload_ttl_secs = 60\nimmutable_tags = [\"prod/*\"]\n[s3]\nbucket = \"b\"\n",
+        )
+        .unwrap();
+        let args = ConfigArgs {
+            config: Some(path),
+            upload_ttl_secs: Some(5),
+            ..Default::default()
+        };
+        let c = args.resolve().unwrap();
+        assert_eq!(c.data, PathBuf::from("/srv/amber"));
+        assert_eq!(c.upload_ttl_secs, 5);
+        assert_eq!(c.s3.bucket.as_deref(), Some("b"));
+        assert_eq!(c.listen.to_string(), "127.0.0.1:5000");
+        assert!(c.tags_immutable("prod/x"));
+        assert!(!c.tags_immutable("dev/x"));
+    }
+
+    #[test]
+    fn bad_config_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("amber.toml");
+        std::fs::write(&path, "listne = \"x\"\n").unwrap();
+        let err = ConfigArgs { config: Some(path), ..Default::default() }.resolve().unwrap_err();
+        assert!(err.to_string().contains("listne"), "{err}");
+        let err = ConfigArgs { listen: Some("0.0.0.0:5000".parse().unwrap()), ..Default::default() }
+            .resolve()
+            .unwrap_err();
+        assert!(err.to_string().contains("without authentication"), "{err}");
+    }
+}

@@ -1,0 +1,75 @@
+//! `amber-registry fsck`: re-hashes every stored object and checks the index against the
+//! store. Reports problems; changes nothing.
+
+use futures_util::StreamExt;
+
+use crate::digest::Digest;
+use crate::registry::Registry;
+use crate::store::ObjectKey;
+
+/// One inconsistency found by fsck.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Problem {
+    /// An object whose bytes do not hash to its name.
+    CorruptObject { key: String, actual: String },
+    /// An object whose key is not a digest.
+    UnexpectedObject { key: String },
+    /// The index knows a blob the store does not have, or has with another size.
+    MissingObject { digest: String },
+    SizeMismatch { digest: String, indexed: u64, stored: u64 },
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Problem::CorruptObject { key, actual } => write!(f, "object {key} is corrupt: its bytes hash to {actual}"),
+            Problem::UnexpectedObject { key } => write!(f, "object {key} is not named by a digest"),
+            Problem::MissingObject { digest } => write!(f, "indexed blob {digest} is missing from the store"),
+            Problem::SizeMismatch { digest, indexed, stored } => {
+                write!(f, "blob {digest} is indexed with {indexed} bytes but stored with {stored}")
+            }
+        }
+    }
+}
+
+/// Runs every check; returns the number of objects checked and the problems found.
+pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
+    let mut problems = Vec::new();
+    let keys = reg.store.list("blobs/").await?;
+    for key in &keys {
+        let parts: Vec<&str> = key.as_str().split('/').collect();
+        let digest: Option<Digest> = match parts.as_slice() {
+            ["blobs", alg, _, hex] => format!("{alg}:{hex}").parse().ok(),
+            _ => None,
+        };
+        let Some(digest) = digest.filter(|d| &ObjectKey::blob(d) == key) else {
+            problems.push(Problem::UnexpectedObject { key: key.as_str().into() });
+            continue;
+        };
+        let size = reg.store.stat(key).await?.unwrap_or(0);
+        let mut hasher = digest.algorithm().hasher();
+        let mut s = reg.store.read(key, 0..size).await?;
+        while let Some(chunk) = s.next().await {
+            hasher.update(&chunk?);
+        }
+        let actual = hasher.finish();
+        if actual != digest {
+            problems.push(Problem::CorruptObject {
+                key: key.as_str().into(),
+                actual: actual.to_string(),
+            });
+        }
+    }
+    for (digest, indexed) in reg.index.blobs()? {
+        match reg.store.stat(&ObjectKey::blob(&digest)).await? {
+            None => problems.push(Problem::MissingObject { digest: digest.to_string() }),
+            Some(stored) if stored != indexed => problems.push(Problem::SizeMismatch {
+                digest: digest.to_string(),
+                indexed,
+                stored,
+            }),
+            Some(_) => {}
+        }
+    }
+    Ok((keys.len(), problems))
+}

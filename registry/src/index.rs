@@ -1,0 +1,387 @@
+//! The metadata index, in RocksDB: repositories, tags, manifests, blob sizes, the blobs
+//! linked into each repository, referrers and upload sessions.
+//!
+//! The index never holds content; content lives in the object store. Every write that
+//! must be seen together (a manifest, its tag, its referrer link) is one atomic
+//! `WriteBatch`, written with the WAL synced, so an acknowledged push survives a crash.
+//! Tag moves are serialized by `tag_lock` so the immutable-tag check and the write cannot
+//! interleave with another move.
+//!
+//! Key layout (one column family per kind; `\0` separates parts, which validated names,
+//! tags and digests never contain):
+//! - `repos`      name                      -> {}
+//! - `tags`       name \0 tag               -> digest
+//! - `manifests`  name \0 digest            -> ManifestRecord
+//! - `blobs`      digest                    -> size (u64 little endian)
+//! - `repo_blobs` name \0 digest            -> empty
+//! - `referrers`  name \0 subject \0 digest -> descriptor (JSON)
+//! - `uploads`    session id                -> UploadSession
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use rocksdb::{ColumnFamilyDescriptor, Direction, IteratorMode, Options, WriteBatch, WriteOptions, DB};
+use serde::{Deserialize, Serialize};
+
+use crate::digest::Digest;
+use crate::names::{RepoName, Tag};
+
+const CFS: [&str; 7] = [
+    "repos",
+    "tags",
+    "manifests",
+    "blobs",
+    "repo_blobs",
+    "referrers",
+    "uploads",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    #[error("metadata index: {0}")]
+    Db(#[from] rocksdb::Error),
+    #[error("metadata index record {key:?} is corrupt: {source}")]
+    Corrupt {
+        key: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("tag {tag} of repository {repo} is immutable and already points to {current}")]
+    TagImmutable {
+        repo: String,
+        tag: String,
+        current: String,
+    },
+}
+
+/// What the index knows of a manifest in a repository.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ManifestRecord {
+    pub media_type: String,
+    pub size: u64,
+}
+
+/// An upload session; its data is the staged object of the same id.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct UploadSession {
+    pub repo: String,
+    /// Bytes acknowledged to the client; staged data past this is from an interrupted
+    /// request and is cut off on recovery.
+    pub offset: u64,
+    pub created_unix: u64,
+    pub updated_unix: u64,
+}
+
+/// One manifest push, written atomically.
+pub struct ManifestWrite<'a> {
+    pub repo: &'a RepoName,
+    pub digest: &'a Digest,
+    pub record: ManifestRecord,
+    pub tag: Option<&'a Tag>,
+    pub tag_immutable: bool,
+    /// (subject digest, descriptor of this manifest) when the manifest has a subject.
+    pub referrer: Option<(&'a Digest, serde_json::Value)>,
+}
+
+pub struct Index {
+    db: DB,
+    tag_lock: Mutex<()>,
+}
+
+fn key2(a: &str, b: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(a.len() + b.len() + 1);
+    k.extend_from_slice(a.as_bytes());
+    k.push(0);
+    k.extend_from_slice(b.as_bytes());
+    k
+}
+
+fn synced() -> WriteOptions {
+    let mut w = WriteOptions::default();
+    w.set_sync(true);
+    w
+}
+
+impl Index {
+    pub fn open(path: &Path) -> Result<Index, IndexError> {
+        let mut opts = Options::default();
+        opts.create_if_missing(true);
+        opts.create_missing_column_families(true);
+        let cfs = CFS.iter().map(|n| ColumnFamilyDescriptor::new(*n, Options::default()));
+        let db = DB::open_cf_descriptors(&opts, path, cfs)?;
+        Ok(Index {
+            db,
+            tag_lock: Mutex::new(()),
+        })
+    }
+
+    fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
+        self.db.cf_handle(name).expect("column families are created on open")
+    }
+
+    fn get_json<T: for<'de> Deserialize<'de>>(&self, cf: &str, key: &[u8]) -> Result<Option<T>, IndexError> {
+        match self.db.get_pinned_cf(self.cf(cf), key)? {
+            None => Ok(None),
+            Some(v) => serde_json::from_slice(&v).map(Some).map_err(|source| IndexError::Corrupt {
+                key: String::from_utf8_lossy(key).into_owned(),
+                source,
+            }),
+        }
+    }
+
+    /// Records a published blob and links it into `repo`.
+    pub fn put_blob(&self, repo: &RepoName, digest: &Digest, size: u64) -> Result<(), IndexError> {
+        let mut b = WriteBatch::default();
+        b.put_cf(self.cf("blobs"), digest.to_string(), size.to_le_bytes());
+        b.put_cf(self.cf("repo_blobs"), key2(repo.as_str(), &digest.to_string()), b"");
+        b.put_cf(self.cf("repos"), repo.as_str(), b"{}");
+        self.db.write_opt(b, &synced())?;
+        Ok(())
+    }
+
+    /// The size of a published blob, if the registry has it in any repository.
+    pub fn blob_size(&self, digest: &Digest) -> Result<Option<u64>, IndexError> {
+        Ok(self
+            .db
+            .get_pinned_cf(self.cf("blobs"), digest.to_string())?
+            .and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
+            .map(u64::from_le_bytes))
+    }
+
+    /// Every blob the index knows, with its size.
+    pub fn blobs(&self) -> Result<Vec<(Digest, u64)>, IndexError> {
+        let mut out = Vec::new();
+        for item in self.db.iterator_cf(self.cf("blobs"), IteratorMode::Start) {
+            let (k, v) = item?;
+            let digest = std::str::from_utf8(&k).ok().and_then(|s| s.parse().ok());
+            let size = <[u8; 8]>::try_from(&v[..]).ok().map(u64::from_le_bytes);
+            if let (Some(d), Some(n)) = (digest, size) {
+                out.push((d, n));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The size of `digest` if it is linked into `repo`.
+    pub fn repo_blob(&self, repo: &RepoName, digest: &Digest) -> Result<Option<u64>, IndexError> {
+        if self
+            .db
+            .get_pinned_cf(self.cf("repo_blobs"), key2(repo.as_str(), &digest.to_string()))?
+            .is_none()
+        {
+            return Ok(None);
+        }
+        self.blob_size(digest)
+    }
+
+    pub fn put_manifest(&self, w: ManifestWrite<'_>) -> Result<(), IndexError> {
+        let repo = w.repo.as_str();
+        let digest = w.digest.to_string();
+        let mut b = WriteBatch::default();
+        b.put_cf(self.cf("repos"), repo, b"{}");
+        b.put_cf(
+            self.cf("manifests"),
+            key2(repo, &digest),
+            serde_json::to_vec(&w.record).expect("record serializes"),
+        );
+        b.put_cf(self.cf("blobs"), &digest, w.record.size.to_le_bytes());
+        b.put_cf(self.cf("repo_blobs"), key2(repo, &digest), b"");
+        if let Some((subject, desc)) = &w.referrer {
+            let mut k = key2(repo, &subject.to_string());
+            k.push(0);
+            k.extend_from_slice(digest.as_bytes());
+            b.put_cf(self.cf("referrers"), k, serde_json::to_vec(desc).expect("json"));
+        }
+        let _guard = self.tag_lock.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tag) = w.tag {
+            let tk = key2(repo, tag.as_str());
+            if w.tag_immutable {
+                if let Some(cur) = self.db.get_pinned_cf(self.cf("tags"), &tk)? {
+                    if cur.as_ref() != digest.as_bytes() {
+                        return Err(IndexError::TagImmutable {
+                            repo: repo.to_string(),
+                            tag: tag.to_string(),
+                            current: String::from_utf8_lossy(&cur).into_owned(),
+                        });
+                    }
+                }
+            }
+            b.put_cf(self.cf("tags"), tk, digest.as_bytes());
+        }
+        self.db.write_opt(b, &synced())?;
+        Ok(())
+    }
+
+    pub fn manifest(&self, repo: &RepoName, digest: &Digest) -> Result<Option<ManifestRecord>, IndexError> {
+        self.get_json("manifests", &key2(repo.as_str(), &digest.to_string()))
+    }
+
+    pub fn tag(&self, repo: &RepoName, tag: &Tag) -> Result<Option<Digest>, IndexError> {
+        Ok(self
+            .db
+            .get_pinned_cf(self.cf("tags"), key2(repo.as_str(), tag.as_str()))?
+            .and_then(|v| std::str::from_utf8(&v).ok().and_then(|s| s.parse().ok())))
+    }
+
+    pub fn repo_exists(&self, repo: &RepoName) -> Result<bool, IndexError> {
+        Ok(self.db.get_pinned_cf(self.cf("repos"), repo.as_str())?.is_some())
+    }
+
+    /// Up to `n` keys of column family `cf` starting with `prefix`, strictly after
+    /// `prefix + last`, with the prefix removed. Returns the keys and whether more follow.
+    fn page(&self, cf: &str, prefix: &[u8], last: Option<&str>, n: usize) -> Result<(Vec<String>, bool), IndexError> {
+        let mut start = prefix.to_vec();
+        if let Some(l) = last {
+            start.extend_from_slice(l.as_bytes());
+        }
+        let iter = self
+            .db
+            .iterator_cf(self.cf(cf), IteratorMode::From(&start, Direction::Forward));
+        let mut out = Vec::new();
+        for item in iter {
+            let (k, _) = item?;
+            if !k.starts_with(prefix) {
+                break;
+            }
+            let rest = &k[prefix.len()..];
+            if last.is_some_and(|l| rest == l.as_bytes()) {
+                continue;
+            }
+            if out.len() == n {
+                return Ok((out, true));
+            }
+            out.push(String::from_utf8_lossy(rest).into_owned());
+        }
+        Ok((out, false))
+    }
+
+    /// Tags of `repo` in lexical order, paginated.
+    pub fn tags(&self, repo: &RepoName, last: Option<&str>, n: usize) -> Result<(Vec<String>, bool), IndexError> {
+        self.page("tags", &key2(repo.as_str(), ""), last, n)
+    }
+
+    /// Repository names in lexical order, paginated.
+    pub fn catalog(&self, last: Option<&str>, n: usize) -> Result<(Vec<String>, bool), IndexError> {
+        self.page("repos", b"", last, n)
+    }
+
+    /// Descriptors of the manifests in `repo` whose subject is `subject`.
+    pub fn referrers(&self, repo: &RepoName, subject: &Digest) -> Result<Vec<serde_json::Value>, IndexError> {
+        let mut prefix = key2(repo.as_str(), &subject.to_string());
+        prefix.push(0);
+        let mut out = Vec::new();
+        for item in self
+            .db
+            .iterator_cf(self.cf("referrers"), IteratorMode::From(&prefix, Direction::Forward))
+        {
+            let (k, v) = item?;
+            if !k.starts_with(&prefix) {
+                break;
+            }
+            out.push(serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt {
+                key: String::from_utf8_lossy(&k).into_owned(),
+                source,
+            })?);
+        }
+        Ok(out)
+    }
+
+    pub fn put_upload(&self, id: &str, s: &UploadSession) -> Result<(), IndexError> {
+        self.db.put_cf_opt(
+            self.cf("uploads"),
+            id,
+            serde_json::to_vec(s).expect("session serializes"),
+            &synced(),
+        )?;
+        Ok(())
+    }
+
+    pub fn upload(&self, id: &str) -> Result<Option<UploadSession>, IndexError> {
+        self.get_json("uploads", id.as_bytes())
+    }
+
+    pub fn delete_upload(&self, id: &str) -> Result<(), IndexError> {
+        self.db.delete_cf_opt(self.cf("uploads"), id, &synced())?;
+        Ok(())
+    }
+
+    pub fn uploads(&self) -> Result<Vec<(String, UploadSession)>, IndexError> {
+        let mut out = Vec::new();
+        for item in self.db.iterator_cf(self.cf("uploads"), IteratorMode::Start) {
+            let (k, v) = item?;
+            let id = String::from_utf8_lossy(&k).into_owned();
+            let s = serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt {
+                key: id.clone(),
+                source,
+            })?;
+            out.push((id, s));
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::digest::Algorithm;
+
+    fn rec() -> ManifestRecord {
+        ManifestRecord {
+            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+            size: 3,
+        }
+    }
+
+    #[test]
+    fn tags_paginate_in_lexical_order_and_immutable_tags_refuse_moves() {
+        let dir = tempfile::tempdir().unwrap();
+        let ix = Index::open(dir.path()).unwrap();
+        let repo = RepoName::parse("a/b").unwrap();
+        let other = RepoName::parse("a/bc").unwrap();
+        let d1 = Digest::of(Algorithm::Sha256, b"1");
+        let d2 = Digest::of(Algorithm::Sha256, b"2");
+        for t in ["v3", "v1", "v2", "latest"] {
+            let tag = Tag::parse(t).unwrap();
+            ix.put_manifest(ManifestWrite {
+                repo: &repo,
+                digest: &d1,
+                record: rec(),
+                tag: Some(&tag),
+                tag_immutable: false,
+                referrer: None,
+            })
+            .unwrap();
+        }
+        let t = Tag::parse("zzz").unwrap();
+        ix.put_manifest(ManifestWrite { repo: &other, digest: &d1, record: rec(), tag: Some(&t), tag_immutable: false, referrer: None })
+            .unwrap();
+        assert_eq!(ix.tags(&repo, None, 10).unwrap(), (vec!["latest".into(), "v1".into(), "v2".into(), "v3".into()], false));
+        assert_eq!(ix.tags(&repo, None, 2).unwrap(), (vec!["latest".into(), "v1".into()], true));
+        assert_eq!(ix.tags(&repo, Some("v1"), 2).unwrap(), (vec!["v2".into(), "v3".into()], false));
+        assert_eq!(ix.catalog(None, 10).unwrap().0, vec!["a/b".to_string(), "a/bc".to_string()]);
+        assert_eq!(ix.catalog(Some("a/b"), 10).unwrap().0, vec!["a/bc".to_string()]);
+
+        let v1 = Tag::parse("v1").unwrap();
+        let same = ix.put_manifest(ManifestWrite { repo: &repo, digest: &d1, record: rec(), tag: Some(&v1), tag_immutable: true, referrer: None });
+        assert!(same.is_ok(), "re-pushing identical content is always accepted");
+        let moved = ix.put_manifest(ManifestWrite { repo: &repo, digest: &d2, record: rec(), tag: Some(&v1), tag_immutable: true, referrer: None });
+        assert!(matches!(moved, Err(IndexError::TagImmutable { .. })));
+        assert_eq!(ix.tag(&repo, &v1).unwrap(), Some(d1.clone()));
+        assert_eq!(ix.manifest(&repo, &d2).unwrap(), None, "a refused push writes nothing");
+    }
+
+    #[test]
+    fn sessions_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = UploadSession { repo: "x".into(), offset: 5, created_unix: 1, updated_unix: 2 };
+        {
+            let ix = Index::open(dir.path()).unwrap();
+            ix.put_upload("abc", &s).unwrap();
+        }
+        let ix = Index::open(dir.path()).unwrap();
+        assert_eq!(ix.upload("abc").unwrap(), Some(s.clone()));
+        assert_eq!(ix.uploads().unwrap(), vec![("abc".to_string(), s)]);
+        ix.delete_upload("abc").unwrap();
+        assert_eq!(ix.upload("abc").unwrap(), None);
+    }
+}

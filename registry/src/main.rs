@@ -1,0 +1,70 @@
+//! `amber-registry`: serve the registry, or check its storage.
+
+use clap::{Parser, Subcommand};
+
+use amber_registry::config::ConfigArgs;
+
+#[derive(Parser)]
+#[command(name = "amber-registry", version, about = "amber's OCI registry of execution environments")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the OCI Distribution API and the amber API.
+    Serve(ConfigArgs),
+    /// Verify every stored object's hash and the index against the store; changes nothing.
+    Fsck(ConfigArgs),
+}
+
+fn init_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("AMBER_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if std::env::var("AMBER_LOG_FORMAT").as_deref() == Ok("json") {
+        fmt.json().init();
+    } else {
+        fmt.init();
+    }
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    init_logs();
+    match run(Cli::parse()).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("amber-registry: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
+    match cli.command {
+        Command::Serve(args) => {
+            let config = args.resolve()?;
+            let listener = tokio::net::TcpListener::bind(config.listen)
+                .await
+                .map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
+            let reg = amber_registry::server::open(config).await?;
+            amber_registry::server::serve(reg, listener).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Fsck(args) => {
+            let reg = amber_registry::server::open(args.resolve()?).await?;
+            let (checked, problems) = amber_registry::fsck::check(&reg).await?;
+            for p in &problems {
+                println!("problem: {p}");
+            }
+            println!("checked {checked} objects, {} problems", problems.len());
+            Ok(if problems.is_empty() {
+                std::process::ExitCode::SUCCESS
+            } else {
+                std::process::ExitCode::FAILURE
+            })
+        }
+    }
+}

@@ -1,0 +1,35 @@
+//! Prometheus metrics: the recorder, its `/metrics` rendering, and the metric names the
+//! rest of the registry records into.
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+pub const REQUESTS: &str = "amber_http_requests_total";
+pub const LATENCY: &str = "amber_http_request_duration_seconds";
+pub const BYTES_IN: &str = "amber_http_body_bytes_in_total";
+pub const BYTES_OUT: &str = "amber_http_body_bytes_out_total";
+pub const UPLOADS_IN_FLIGHT: &str = "amber_uploads_in_flight";
+pub const UPLOAD_SESSIONS_EXPIRED: &str = "amber_upload_sessions_expired_total";
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the process-wide recorder once and returns its handle.
+pub fn install() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    Matcher::Full(LATENCY.to_string()),
+                    &[0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0],
+                )
+                .expect("bucket list is not empty")
+                .build_recorder();
+            let handle = recorder.handle();
+            // Another recorder may be installed already (tests in one process); then the
+            // handle still renders, just without that process's other metrics.
+            let _ = metrics::set_global_recorder(recorder);
+            handle
+        })
+        .clone()
+}

@@ -1,0 +1,140 @@
+//! The registry's shared state: configuration, index, object store and the in-memory
+//! hash state of open upload sessions; recovery of upload sessions after a restart and
+//! expiry of abandoned ones.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::config::Config;
+use crate::digest::{Algorithm, Hasher};
+use crate::index::{Index, IndexError};
+use crate::store::{ObjectStore, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error(transparent)]
+    Index(#[from] IndexError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// The running hash of an upload session. Valid when `hashed` equals the session's
+/// acknowledged offset; otherwise the digest is recomputed from the staged bytes.
+pub struct HashState {
+    pub hasher: Hasher,
+    pub hashed: u64,
+}
+
+impl HashState {
+    pub fn new() -> HashState {
+        HashState {
+            hasher: Algorithm::Sha256.hasher(),
+            hashed: 0,
+        }
+    }
+}
+
+impl Default for HashState {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+pub type SessionLock = Arc<tokio::sync::Mutex<Option<HashState>>>;
+
+pub struct Registry {
+    pub config: Config,
+    pub index: Index,
+    pub store: Arc<dyn ObjectStore>,
+    sessions: Mutex<HashMap<String, SessionLock>>,
+}
+
+pub fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+impl Registry {
+    pub fn new(config: Config, index: Index, store: Arc<dyn ObjectStore>) -> Registry {
+        Registry {
+            config,
+            index,
+            store,
+            sessions: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The lock (and hash state) of session `id`; one request at a time per session.
+    pub fn session_lock(&self, id: &str) -> SessionLock {
+        let mut m = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        m.entry(id.to_string()).or_default().clone()
+    }
+
+    pub fn forget_session(&self, id: &str) {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+    }
+
+    /// Brings upload sessions and staged data back into agreement after a restart:
+    /// staged bytes past the acknowledged offset (an interrupted request) are cut off,
+    /// sessions whose data is gone are dropped, staged data without a session is removed.
+    /// Returns (sessions kept, sessions dropped, orphans removed).
+    pub async fn recover_uploads(&self) -> Result<(usize, usize, usize), RegistryError> {
+        let sessions = self.index.uploads()?;
+        let (mut kept, mut dropped) = (0, 0);
+        for (id, mut s) in sessions.iter().cloned() {
+            match self.store.staged_len(&id).await? {
+                None if s.offset == 0 => kept += 1,
+                None => {
+                    self.index.delete_upload(&id)?;
+                    dropped += 1;
+                }
+                Some(len) if len > s.offset => {
+                    self.store.truncate_staged(&id, s.offset).await?;
+                    kept += 1;
+                }
+                Some(len) if len < s.offset => {
+                    // Cannot happen when the disk honours fsync; keep what is really there.
+                    s.offset = len;
+                    self.index.put_upload(&id, &s)?;
+                    kept += 1;
+                }
+                Some(_) => kept += 1,
+            }
+        }
+        let known: std::collections::HashSet<&str> = sessions.iter().map(|(id, _)| id.as_str()).collect();
+        let mut orphans = 0;
+        for id in self.store.list_staged().await? {
+            if !known.contains(id.as_str()) {
+                self.store.remove_staged(&id).await?;
+                orphans += 1;
+            }
+        }
+        Ok((kept, dropped, orphans))
+    }
+
+    /// Removes sessions idle for `upload_ttl_secs` or more at time `now`, with their data.
+    pub async fn expire_uploads(&self, now: u64) -> Result<usize, RegistryError> {
+        let mut n = 0;
+        for (id, s) in self.index.uploads()? {
+            if s.updated_unix.saturating_add(self.config.upload_ttl_secs) > now {
+                continue;
+            }
+            let lock = self.session_lock(&id);
+            let Ok(_guard) = lock.try_lock() else {
+                continue; // a request is using it right now: not abandoned
+            };
+            self.store.remove_staged(&id).await?;
+            self.index.delete_upload(&id)?;
+            self.forget_session(&id);
+            n += 1;
+        }
+        if n > 0 {
+            metrics::counter!(crate::metrics::UPLOAD_SESSIONS_EXPIRED).increment(n as u64);
+            tracing::info!(expired = n, "removed abandoned upload sessions");
+        }
+        Ok(n)
+    }
+}

@@ -1,0 +1,281 @@
+//! The `fs` backend: published objects as files under `<root>/`, staged objects under
+//! `<root>/_staging/`, small puts written through `<root>/_tmp/`.
+//!
+//! Publishing is `link(2)` of a complete, fsynced file to its final name followed by an
+//! fsync of the directory: the final name either does not exist or names complete bytes,
+//! whatever the moment of a crash. `link` fails with EEXIST instead of replacing, which
+//! makes concurrent publishes of the same content safe.
+
+use std::io::{self, SeekFrom};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
+use tokio_util::io::ReaderStream;
+
+use super::{ByteStream, ObjectKey, ObjectStore, Observer, StoreError};
+
+const READ_BUF: usize = 256 * 1024;
+const WRITE_BUF: usize = 1024 * 1024;
+
+pub struct FsStore {
+    root: PathBuf,
+}
+
+impl FsStore {
+    /// Opens (creating if needed) a store rooted at `root`.
+    pub fn open(root: impl Into<PathBuf>) -> Result<FsStore, StoreError> {
+        let root = root.into();
+        for d in ["_staging", "_tmp", "blobs"] {
+            let p = root.join(d);
+            std::fs::create_dir_all(&p).map_err(|e| StoreError::io(p.display().to_string(), e))?;
+        }
+        Ok(FsStore { root })
+    }
+
+    fn path(&self, key: &ObjectKey) -> PathBuf {
+        self.root.join(key.as_str())
+    }
+
+    fn staged(&self, id: &str) -> Result<PathBuf, StoreError> {
+        if !crate::names::upload_id_ok(id) {
+            return Err(StoreError::NotFound(format!("staged upload {id:?}")));
+        }
+        Ok(self.root.join("_staging").join(id))
+    }
+
+    /// Links complete file `src` to `dst` (no replace), then makes the link durable.
+    async fn link_durably(&self, src: &Path, dst: &Path) -> Result<(), StoreError> {
+        let dir = dst.parent().expect("object keys have a parent");
+        tokio::fs::create_dir_all(dir)
+            .await
+            .map_err(|e| StoreError::io(dir.display().to_string(), e))?;
+        match tokio::fs::hard_link(src, dst).await {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(StoreError::io(dst.display().to_string(), e)),
+        }
+        let dir = dir.to_path_buf();
+        tokio::task::spawn_blocking(move || std::fs::File::open(&dir)?.sync_all())
+            .await
+            .expect("fsync task")
+            .map_err(|e| StoreError::io("fsync of object directory", e))
+    }
+}
+
+fn not_found_or_io(what: String, e: io::Error) -> StoreError {
+    if e.kind() == io::ErrorKind::NotFound {
+        StoreError::NotFound(what)
+    } else {
+        StoreError::io(what, e)
+    }
+}
+
+#[async_trait]
+impl ObjectStore for FsStore {
+    async fn stat(&self, key: &ObjectKey) -> Result<Option<u64>, StoreError> {
+        match tokio::fs::metadata(self.path(key)).await {
+            Ok(m) => Ok(Some(m.len())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::io(key.as_str(), e)),
+        }
+    }
+
+    async fn read(&self, key: &ObjectKey, range: Range<u64>) -> Result<ByteStream, StoreError> {
+        let path = self.path(key);
+        let mut f = tokio::fs::File::open(&path)
+            .await
+            .map_err(|e| not_found_or_io(key.as_str().to_string(), e))?;
+        let size = f
+            .metadata()
+            .await
+            .map_err(|e| StoreError::io(key.as_str(), e))?
+            .len();
+        if range.start > range.end || range.end > size {
+            return Err(StoreError::BadRange {
+                key: key.as_str().to_string(),
+                start: range.start,
+                end: range.end,
+                size,
+            });
+        }
+        f.seek(SeekFrom::Start(range.start))
+            .await
+            .map_err(|e| StoreError::io(key.as_str(), e))?;
+        let reader = f.take(range.end - range.start);
+        Ok(Box::pin(ReaderStream::with_capacity(reader, READ_BUF)))
+    }
+
+    async fn read_all(&self, key: &ObjectKey) -> Result<Bytes, StoreError> {
+        tokio::fs::read(self.path(key))
+            .await
+            .map(Bytes::from)
+            .map_err(|e| not_found_or_io(key.as_str().to_string(), e))
+    }
+
+    async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError> {
+        let dst = self.path(key);
+        if tokio::fs::try_exists(&dst).await.unwrap_or(false) {
+            return Ok(());
+        }
+        let tmp = self.root.join("_tmp").join(uuid::Uuid::new_v4().to_string());
+        let tmp2 = tmp.clone();
+        tokio::task::spawn_blocking(move || -> io::Result<()> {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp2)?;
+            f.write_all(&data)?;
+            f.sync_all()
+        })
+        .await
+        .expect("write task")
+        .map_err(|e| StoreError::io(format!("temporary object for {}", key.as_str()), e))?;
+        let res = self.link_durably(&tmp, &dst).await;
+        let _ = tokio::fs::remove_file(&tmp).await;
+        res
+    }
+
+    async fn append_staged(
+        &self,
+        id: &str,
+        offset: u64,
+        mut body: ByteStream,
+        observe: Observer<'_>,
+    ) -> Result<u64, StoreError> {
+        let path = self.staged(id)?;
+        let what = || format!("staged upload {id}");
+        let file = tokio::fs::OpenOptions::new()
+            .create(offset == 0)
+            .append(true)
+            .open(&path)
+            .await
+            .map_err(|e| not_found_or_io(what(), e))?;
+        let actual = file.metadata().await.map_err(|e| StoreError::io(what(), e))?.len();
+        if actual != offset {
+            return Err(StoreError::OffsetMismatch {
+                id: id.to_string(),
+                expected: offset,
+                actual,
+            });
+        }
+        let mut w = tokio::io::BufWriter::with_capacity(WRITE_BUF, file);
+        let mut len = offset;
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk.map_err(StoreError::Body)?;
+            w.write_all(&chunk).await.map_err(|e| StoreError::io(what(), e))?;
+            observe(&chunk);
+            len += chunk.len() as u64;
+        }
+        w.flush().await.map_err(|e| StoreError::io(what(), e))?;
+        w.get_ref().sync_data().await.map_err(|e| StoreError::io(what(), e))?;
+        Ok(len)
+    }
+
+    async fn staged_len(&self, id: &str) -> Result<Option<u64>, StoreError> {
+        match tokio::fs::metadata(self.staged(id)?).await {
+            Ok(m) => Ok(Some(m.len())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::io(format!("staged upload {id}"), e)),
+        }
+    }
+
+    async fn truncate_staged(&self, id: &str, len: u64) -> Result<(), StoreError> {
+        let f = tokio::fs::OpenOptions::new()
+            .write(true)
+            .open(self.staged(id)?)
+            .await
+            .map_err(|e| not_found_or_io(format!("staged upload {id}"), e))?;
+        f.set_len(len).await.map_err(|e| StoreError::io(format!("staged upload {id}"), e))?;
+        f.sync_all().await.map_err(|e| StoreError::io(format!("staged upload {id}"), e))
+    }
+
+    async fn read_staged(&self, id: &str) -> Result<ByteStream, StoreError> {
+        let f = tokio::fs::File::open(self.staged(id)?)
+            .await
+            .map_err(|e| not_found_or_io(format!("staged upload {id}"), e))?;
+        Ok(Box::pin(ReaderStream::with_capacity(f, READ_BUF)))
+    }
+
+    async fn publish_staged(&self, id: &str, key: &ObjectKey) -> Result<(), StoreError> {
+        let src = self.staged(id)?;
+        // The data was fsynced by append_staged; link it into place, then drop the staging name.
+        self.link_durably(&src, &self.path(key)).await?;
+        self.remove_staged(id).await
+    }
+
+    async fn remove_staged(&self, id: &str) -> Result<(), StoreError> {
+        match tokio::fs::remove_file(self.staged(id)?).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(StoreError::io(format!("staged upload {id}"), e)),
+        }
+    }
+
+    async fn list_staged(&self) -> Result<Vec<String>, StoreError> {
+        let mut out = Vec::new();
+        let dir = self.root.join("_staging");
+        let mut rd = tokio::fs::read_dir(&dir)
+            .await
+            .map_err(|e| StoreError::io(dir.display().to_string(), e))?;
+        while let Some(e) = rd.next_entry().await.map_err(|e| StoreError::io("staging dir", e))? {
+            if let Some(name) = e.file_name().to_str() {
+                out.push(name.to_string());
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectKey>, StoreError> {
+        let root = self.root.clone();
+        let prefix = prefix.to_string();
+        tokio::task::spawn_blocking(move || {
+            let mut out = Vec::new();
+            let mut stack = vec![root.join("blobs")];
+            while let Some(dir) = stack.pop() {
+                let rd = match std::fs::read_dir(&dir) {
+                    Ok(rd) => rd,
+                    Err(e) => return Err(StoreError::io(dir.display().to_string(), e)),
+                };
+                for e in rd {
+                    let e = e.map_err(|e| StoreError::io(dir.display().to_string(), e))?;
+                    let p = e.path();
+                    if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                        stack.push(p);
+                    } else if let Ok(rel) = p.strip_prefix(&root) {
+                        let rel = rel.to_string_lossy().to_string();
+                        if rel.starts_with(&prefix) {
+                            out.push(ObjectKey(rel));
+                        }
+                    }
+                }
+            }
+            out.sort_by(|a, b| a.0.cmp(&b.0));
+            Ok(out)
+        })
+        .await
+        .expect("list task")
+    }
+}
+
+/// Removes leftovers of interrupted small puts (never visible as objects).
+pub fn clean_tmp(root: &Path) -> io::Result<usize> {
+    let mut n = 0;
+    for e in std::fs::read_dir(root.join("_tmp"))? {
+        std::fs::remove_file(e?.path())?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    #[tokio::test]
+    async fn fs_backend_passes_the_store_suite() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::FsStore::open(dir.path()).unwrap();
+        super::super::suite::run(&store).await;
+    }
+}

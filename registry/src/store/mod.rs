@@ -1,0 +1,136 @@
+//! The object store: where blob and manifest bytes live. One small trait, several
+//! backends behind it (`fs` now; `s3` next), and one shared test suite (`suite`) that
+//! every backend must pass.
+//!
+//! Two namespaces:
+//! - published objects, named by an [`ObjectKey`] derived from a content digest. They are
+//!   create-once and immutable: there is no delete and no overwrite. A published object is
+//!   always complete, because it is only ever made visible by an atomic publish of a fully
+//!   written, durable staged object.
+//! - staged objects (upload sessions), named by a session id. They are appended to,
+//!   truncated back to the last acknowledged length after a crash, and either published
+//!   under a key or removed.
+
+pub mod fs;
+#[cfg(test)]
+pub(crate) mod suite;
+
+use std::io;
+use std::ops::Range;
+use std::pin::Pin;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::Stream;
+
+use crate::digest::Digest;
+
+/// A stream of bytes read from, or written to, a store.
+pub type ByteStream = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
+
+/// The name of a published object. Only built from validated parts, so a key never holds
+/// `..`, a leading `/`, or anything else that could escape a backend's namespace.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ObjectKey(String);
+
+impl ObjectKey {
+    /// The key of the content-addressed blob (layer, config or manifest) with `digest`.
+    pub fn blob(digest: &Digest) -> ObjectKey {
+        ObjectKey(format!(
+            "blobs/{}/{}/{}",
+            digest.algorithm().name(),
+            &digest.hex()[..2],
+            digest.hex()
+        ))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Errors of a store backend, with the object they concern.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("object {0} not found")]
+    NotFound(String),
+    #[error("staged upload {id} has {actual} bytes, expected {expected}")]
+    OffsetMismatch { id: String, expected: u64, actual: u64 },
+    #[error("range {start}..{end} is outside object {key} of {size} bytes")]
+    BadRange {
+        key: String,
+        start: u64,
+        end: u64,
+        size: u64,
+    },
+    /// The stream being written failed (for an upload: the client went away).
+    #[error("the data being written ended early: {0}")]
+    Body(#[source] io::Error),
+    #[error("storage I/O on {what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl StoreError {
+    pub fn io(what: impl Into<String>, source: io::Error) -> StoreError {
+        StoreError::Io {
+            what: what.into(),
+            source,
+        }
+    }
+}
+
+/// Observes every chunk of a staged write as it is stored (hashing, byte counters).
+pub type Observer<'a> = &'a mut (dyn FnMut(&[u8]) + Send);
+
+#[async_trait]
+pub trait ObjectStore: Send + Sync + 'static {
+    /// The size of a published object, or `None` when it does not exist.
+    async fn stat(&self, key: &ObjectKey) -> Result<Option<u64>, StoreError>;
+
+    /// Streams `range` of a published object. The range must lie inside the object.
+    async fn read(&self, key: &ObjectKey, range: Range<u64>) -> Result<ByteStream, StoreError>;
+
+    /// Reads a whole small published object (a manifest) into memory.
+    async fn read_all(&self, key: &ObjectKey) -> Result<Bytes, StoreError>;
+
+    /// Publishes `data` under `key` durably and atomically. If the key exists already the
+    /// store is left unchanged: keys are content addresses, so the bytes are the same.
+    async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError>;
+
+    /// Appends `body` to staged object `id` (created when `offset` is 0), which must hold
+    /// exactly `offset` bytes. Each chunk is passed to `observe` after it is written.
+    /// Returns the new length once the data is durable.
+    async fn append_staged(
+        &self,
+        id: &str,
+        offset: u64,
+        body: ByteStream,
+        observe: Observer<'_>,
+    ) -> Result<u64, StoreError>;
+
+    /// Length of staged object `id`, `None` if it does not exist.
+    async fn staged_len(&self, id: &str) -> Result<Option<u64>, StoreError>;
+
+    /// Cuts staged object `id` back to `len` bytes (recovery after a crash mid-append).
+    async fn truncate_staged(&self, id: &str, len: u64) -> Result<(), StoreError>;
+
+    /// Streams the whole staged object `id`.
+    async fn read_staged(&self, id: &str) -> Result<ByteStream, StoreError>;
+
+    /// Makes staged object `id` visible as `key`, atomically, and forgets `id`. If `key`
+    /// exists already it is kept and the staged object is dropped.
+    async fn publish_staged(&self, id: &str, key: &ObjectKey) -> Result<(), StoreError>;
+
+    /// Removes staged object `id`; removing a missing one is not an error.
+    async fn remove_staged(&self, id: &str) -> Result<(), StoreError>;
+
+    /// Ids of every staged object (for recovery and expiry).
+    async fn list_staged(&self) -> Result<Vec<String>, StoreError>;
+
+    /// Keys of every published object starting with `prefix` (for fsck and reindex).
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectKey>, StoreError>;
+}
