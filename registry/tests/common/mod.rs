@@ -1,0 +1,180 @@
+//! Test harness: runs the real `amber-registry` binary on a loopback port with its own
+//! data directory, and small HTTP helpers for the distribution API.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use sha2::Digest as _;
+
+pub struct Server {
+    child: Child,
+    pub addr: String,
+    pub data: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl Server {
+    /// A registry on a fresh data directory.
+    pub fn start(extra: &[&str]) -> Server {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let mut s = Server::start_in(tmp.path(), extra);
+        s._tmp = Some(tmp);
+        s
+    }
+
+    /// A registry on `data` (kept by the caller, e.g. across a restart).
+    pub fn start_in(data: &Path, extra: &[&str]) -> Server {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(data.join("registry.log"))
+            .expect("log file");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_amber-registry"))
+            .arg("serve")
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--data")
+            .arg(data)
+            .args(extra)
+            .env_remove("AMBER_CONFIG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("starting amber-registry");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("reading the listening line");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| {
+                panic!(
+                    "amber-registry did not start: {line:?}; log:\n{}",
+                    std::fs::read_to_string(data.join("registry.log")).unwrap_or_default()
+                )
+            })
+            .to_string();
+        Server {
+            child,
+            addr,
+            data: data.to_path_buf(),
+            _tmp: None,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Peak resident set size of the server process, in KiB (VmHWM from /proc).
+    pub fn peak_rss_kib(&self) -> u64 {
+        proc_status_kib(self.pid(), "VmHWM:")
+    }
+}
+
+pub fn proc_status_kib(pid: u32, field: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    s.lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} missing from /proc/{pid}/status"))
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn sha256(data: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(data)))
+}
+
+pub fn sha512(data: &[u8]) -> String {
+    format!("sha512:{}", hex::encode(sha2::Sha512::digest(data)))
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .expect("client")
+}
+
+/// Pushes `data` as a blob of `repo` in one request; asserts 201.
+pub async fn push_blob(s: &Server, repo: &str, data: &[u8]) -> String {
+    let d = sha256(data);
+    let r = client()
+        .post(s.url(&format!("/v2/{repo}/blobs/uploads/?digest={d}")))
+        .body(data.to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
+    d
+}
+
+/// Pushes a manifest; returns the response.
+pub async fn put_manifest(s: &Server, repo: &str, reference: &str, media_type: &str, body: &str) -> reqwest::Response {
+    client()
+        .put(s.url(&format!("/v2/{repo}/manifests/{reference}")))
+        .header("Content-Type", media_type)
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap()
+}
+
+/// Pushes a config and one layer and returns an OCI image manifest referencing them.
+pub async fn image_manifest(s: &Server, repo: &str, seed: &str, extra: &str) -> String {
+    let config = format!(r#"{{"architecture":"amd64","os":"linux","seed":"{seed}"}}"#);
+    let layer = format!("layer bytes of {seed}");
+    let cd = push_blob(s, repo, config.as_bytes()).await;
+    let ld = push_blob(s, repo, layer.as_bytes()).await;
+    format!(
+        r#"{{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json","config":{{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"{cd}","size":{}}},"layers":[{{"mediaType":"application/vnd.oci.image.layer.v1.tar+gzip","digest":"{ld}","size":{}}}]{extra}}}"#,
+        config.len(),
+        layer.len()
+    )
+}
+
+/// The spec error code of an error response.
+pub async fn error_code(r: reqwest::Response) -> String {
+    let v: serde_json::Value = r.json().await.expect("error body is JSON");
+    v["errors"][0]["code"].as_str().expect("errors[0].code").to_string()
+}
+
+/// A tool the test needs; fails loudly when it is missing.
+pub fn require_tool(name: &str) -> PathBuf {
+    std::env::var_os("PATH")
+        .and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|p| p.is_file()))
+        .unwrap_or_else(|| panic!("`{name}` is required by this test but is not on PATH; run scripts/test, which installs it"))
+}
+
+/// Runs a command, panicking with its output if it fails; returns stdout.
+pub fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    if !out.status.success() {
+        panic!(
+            "{cmd:?} failed with {}:\nstdout:\n{}\nstderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
