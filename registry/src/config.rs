@@ -159,12 +159,19 @@ impl ConfigArgs {
             },
             auth: self.auth.clone().or(file.auth).unwrap_or(d.auth),
             users: self.users.clone().or(file.users),
-            upload_ttl_secs: self.upload_ttl_secs.or(file.upload_ttl_secs).unwrap_or(d.upload_ttl_secs),
+            upload_ttl_secs: self
+                .upload_ttl_secs
+                .or(file.upload_ttl_secs)
+                .unwrap_or(d.upload_ttl_secs),
             max_manifest_bytes: self
                 .max_manifest_bytes
                 .or(file.max_manifest_bytes)
                 .unwrap_or(d.max_manifest_bytes),
-            immutable_tags: self.immutable_tags.clone().or(file.immutable_tags).unwrap_or_default(),
+            immutable_tags: self
+                .immutable_tags
+                .clone()
+                .or(file.immutable_tags)
+                .unwrap_or_default(),
         };
         if cfg.auth != "none" {
             return Err(ConfigError::Invalid(format!(
@@ -190,10 +197,12 @@ impl ConfigArgs {
 impl Config {
     /// Whether tags of `repo` are immutable under `immutable_tags`.
     pub fn tags_immutable(&self, repo: &str) -> bool {
-        self.immutable_tags.iter().any(|p| match p.strip_suffix('*') {
-            Some(prefix) => repo.starts_with(prefix),
-            None => repo == p,
-        })
+        self.immutable_tags
+            .iter()
+            .any(|p| match p.strip_suffix('*') {
+                Some(prefix) => repo.starts_with(prefix),
+                None => repo == p,
+            })
     }
 }
 
@@ -229,11 +238,19 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("amber.toml");
         std::fs::write(&path, "listne = \"x\"\n").unwrap();
-        let err = ConfigArgs { config: Some(path), ..Default::default() }.resolve().unwrap_err();
+        let err = ConfigArgs {
+            config: Some(path),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
         assert!(err.to_string().contains("listne"), "{err}");
-        let err = ConfigArgs { listen: Some("0.0.0.0:5000".parse().unwrap()), ..Default::default() }
-            .resolve()
-            .unwrap_err();
+        let err = ConfigArgs {
+            listen: Some("0.0.0.0:5000".parse().unwrap()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
         assert!(err.to_string().contains("without authentication"), "{err}");
     }
 }

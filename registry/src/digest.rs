@@ -87,7 +87,9 @@ impl FromStr for Digest {
             other => return Err(DigestError::UnsupportedAlgorithm(other.to_string())),
         };
         let ok = hex.len() == algorithm.hex_len()
-            && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+            && hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
         if !ok {
             return Err(DigestError::BadEncoding(s.to_string(), algorithm.hex_len()));
         }

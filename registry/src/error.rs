@@ -40,16 +40,34 @@ impl ApiError {
     }
 
     pub fn blob_unknown(d: impl std::fmt::Display) -> ApiError {
-        Self::new(StatusCode::NOT_FOUND, "BLOB_UNKNOWN", format!("blob {d} is unknown to this repository"))
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "BLOB_UNKNOWN",
+            format!("blob {d} is unknown to this repository"),
+        )
     }
     pub fn manifest_unknown(r: impl std::fmt::Display) -> ApiError {
-        Self::new(StatusCode::NOT_FOUND, "MANIFEST_UNKNOWN", format!("manifest {r} is unknown to this repository"))
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "MANIFEST_UNKNOWN",
+            format!("manifest {r} is unknown to this repository"),
+        )
     }
     pub fn name_unknown(n: impl std::fmt::Display) -> ApiError {
-        Self::new(StatusCode::NOT_FOUND, "NAME_UNKNOWN", format!("repository {n} is not known to this registry"))
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "NAME_UNKNOWN",
+            format!("repository {n} is not known to this registry"),
+        )
     }
     pub fn upload_unknown(id: &str) -> ApiError {
-        Self::new(StatusCode::NOT_FOUND, "BLOB_UPLOAD_UNKNOWN", format!("upload session {id} does not exist (finished, cancelled, expired or interrupted)"))
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "BLOB_UPLOAD_UNKNOWN",
+            format!(
+                "upload session {id} does not exist (finished, cancelled, expired or interrupted)"
+            ),
+        )
     }
     pub fn upload_invalid(msg: impl Into<String>) -> ApiError {
         Self::new(StatusCode::BAD_REQUEST, "BLOB_UPLOAD_INVALID", msg)
@@ -65,17 +83,25 @@ impl ApiError {
     }
     pub fn internal(context: &str, err: impl std::fmt::Display) -> ApiError {
         tracing::error!(%err, context, "internal error");
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL", format!("{context}: {err}"))
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "INTERNAL",
+            format!("{context}: {err}"),
+        )
     }
 }
 
 impl From<NameError> for ApiError {
     fn from(e: NameError) -> ApiError {
         match e {
-            NameError::BadName(_) => ApiError::new(StatusCode::BAD_REQUEST, "NAME_INVALID", e.to_string()),
+            NameError::BadName(_) => {
+                ApiError::new(StatusCode::BAD_REQUEST, "NAME_INVALID", e.to_string())
+            }
             NameError::BadTag(_) => ApiError::manifest_invalid(e.to_string()),
             NameError::BadDigest(_) => ApiError::digest_invalid(e.to_string()),
-            NameError::NotFound => ApiError::new(StatusCode::NOT_FOUND, "NOT_FOUND", "no such endpoint"),
+            NameError::NotFound => {
+                ApiError::new(StatusCode::NOT_FOUND, "NOT_FOUND", "no such endpoint")
+            }
         }
     }
 }
@@ -83,7 +109,9 @@ impl From<NameError> for ApiError {
 impl From<IndexError> for ApiError {
     fn from(e: IndexError) -> ApiError {
         match e {
-            IndexError::TagImmutable { .. } => ApiError::new(StatusCode::CONFLICT, "DENIED", e.to_string()),
+            IndexError::TagImmutable { .. } => {
+                ApiError::new(StatusCode::CONFLICT, "DENIED", e.to_string())
+            }
             other => ApiError::internal("metadata index", other),
         }
     }

@@ -16,17 +16,32 @@ pub enum Problem {
     UnexpectedObject { key: String },
     /// The index knows a blob the store does not have, or has with another size.
     MissingObject { digest: String },
-    SizeMismatch { digest: String, indexed: u64, stored: u64 },
+    SizeMismatch {
+        digest: String,
+        indexed: u64,
+        stored: u64,
+    },
 }
 
 impl std::fmt::Display for Problem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Problem::CorruptObject { key, actual } => write!(f, "object {key} is corrupt: its bytes hash to {actual}"),
+            Problem::CorruptObject { key, actual } => {
+                write!(f, "object {key} is corrupt: its bytes hash to {actual}")
+            }
             Problem::UnexpectedObject { key } => write!(f, "object {key} is not named by a digest"),
-            Problem::MissingObject { digest } => write!(f, "indexed blob {digest} is missing from the store"),
-            Problem::SizeMismatch { digest, indexed, stored } => {
-                write!(f, "blob {digest} is indexed with {indexed} bytes but stored with {stored}")
+            Problem::MissingObject { digest } => {
+                write!(f, "indexed blob {digest} is missing from the store")
+            }
+            Problem::SizeMismatch {
+                digest,
+                indexed,
+                stored,
+            } => {
+                write!(
+                    f,
+                    "blob {digest} is indexed with {indexed} bytes but stored with {stored}"
+                )
             }
         }
     }
@@ -43,7 +58,9 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
             _ => None,
         };
         let Some(digest) = digest.filter(|d| &ObjectKey::blob(d) == key) else {
-            problems.push(Problem::UnexpectedObject { key: key.as_str().into() });
+            problems.push(Problem::UnexpectedObject {
+                key: key.as_str().into(),
+            });
             continue;
         };
         let size = reg.store.stat(key).await?.unwrap_or(0);
@@ -62,7 +79,9 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
     }
     for (digest, indexed) in reg.index.blobs()? {
         match reg.store.stat(&ObjectKey::blob(&digest)).await? {
-            None => problems.push(Problem::MissingObject { digest: digest.to_string() }),
+            None => problems.push(Problem::MissingObject {
+                digest: digest.to_string(),
+            }),
             Some(stored) if stored != indexed => problems.push(Problem::SizeMismatch {
                 digest: digest.to_string(),
                 indexed,

@@ -20,7 +20,9 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use rocksdb::{ColumnFamilyDescriptor, Direction, IteratorMode, Options, WriteBatch, WriteOptions, DB};
+use rocksdb::{
+    ColumnFamilyDescriptor, Direction, IteratorMode, Options, WriteBatch, WriteOptions, DB,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::digest::Digest;
@@ -107,7 +109,9 @@ impl Index {
         let mut opts = Options::default();
         opts.create_if_missing(true);
         opts.create_missing_column_families(true);
-        let cfs = CFS.iter().map(|n| ColumnFamilyDescriptor::new(*n, Options::default()));
+        let cfs = CFS
+            .iter()
+            .map(|n| ColumnFamilyDescriptor::new(*n, Options::default()));
         let db = DB::open_cf_descriptors(&opts, path, cfs)?;
         Ok(Index {
             db,
@@ -116,16 +120,24 @@ impl Index {
     }
 
     fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
-        self.db.cf_handle(name).expect("column families are created on open")
+        self.db
+            .cf_handle(name)
+            .expect("column families are created on open")
     }
 
-    fn get_json<T: for<'de> Deserialize<'de>>(&self, cf: &str, key: &[u8]) -> Result<Option<T>, IndexError> {
+    fn get_json<T: for<'de> Deserialize<'de>>(
+        &self,
+        cf: &str,
+        key: &[u8],
+    ) -> Result<Option<T>, IndexError> {
         match self.db.get_pinned_cf(self.cf(cf), key)? {
             None => Ok(None),
-            Some(v) => serde_json::from_slice(&v).map(Some).map_err(|source| IndexError::Corrupt {
-                key: String::from_utf8_lossy(key).into_owned(),
-                source,
-            }),
+            Some(v) => serde_json::from_slice(&v)
+                .map(Some)
+                .map_err(|source| IndexError::Corrupt {
+                    key: String::from_utf8_lossy(key).into_owned(),
+                    source,
+                }),
         }
     }
 
@@ -133,7 +145,11 @@ impl Index {
     pub fn put_blob(&self, repo: &RepoName, digest: &Digest, size: u64) -> Result<(), IndexError> {
         let mut b = WriteBatch::default();
         b.put_cf(self.cf("blobs"), digest.to_string(), size.to_le_bytes());
-        b.put_cf(self.cf("repo_blobs"), key2(repo.as_str(), &digest.to_string()), b"");
+        b.put_cf(
+            self.cf("repo_blobs"),
+            key2(repo.as_str(), &digest.to_string()),
+            b"",
+        );
         b.put_cf(self.cf("repos"), repo.as_str(), b"{}");
         self.db.write_opt(b, &synced())?;
         Ok(())
@@ -166,7 +182,10 @@ impl Index {
     pub fn repo_blob(&self, repo: &RepoName, digest: &Digest) -> Result<Option<u64>, IndexError> {
         if self
             .db
-            .get_pinned_cf(self.cf("repo_blobs"), key2(repo.as_str(), &digest.to_string()))?
+            .get_pinned_cf(
+                self.cf("repo_blobs"),
+                key2(repo.as_str(), &digest.to_string()),
+            )?
             .is_none()
         {
             return Ok(None);
@@ -190,7 +209,11 @@ impl Index {
             let mut k = key2(repo, &subject.to_string());
             k.push(0);
             k.extend_from_slice(digest.as_bytes());
-            b.put_cf(self.cf("referrers"), k, serde_json::to_vec(desc).expect("json"));
+            b.put_cf(
+                self.cf("referrers"),
+                k,
+                serde_json::to_vec(desc).expect("json"),
+            );
         }
         let _guard = self.tag_lock.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(tag) = w.tag {
@@ -212,7 +235,11 @@ impl Index {
         Ok(())
     }
 
-    pub fn manifest(&self, repo: &RepoName, digest: &Digest) -> Result<Option<ManifestRecord>, IndexError> {
+    pub fn manifest(
+        &self,
+        repo: &RepoName,
+        digest: &Digest,
+    ) -> Result<Option<ManifestRecord>, IndexError> {
         self.get_json("manifests", &key2(repo.as_str(), &digest.to_string()))
     }
 
@@ -224,12 +251,21 @@ impl Index {
     }
 
     pub fn repo_exists(&self, repo: &RepoName) -> Result<bool, IndexError> {
-        Ok(self.db.get_pinned_cf(self.cf("repos"), repo.as_str())?.is_some())
+        Ok(self
+            .db
+            .get_pinned_cf(self.cf("repos"), repo.as_str())?
+            .is_some())
     }
 
     /// Up to `n` keys of column family `cf` starting with `prefix`, strictly after
     /// `prefix + last`, with the prefix removed. Returns the keys and whether more follow.
-    fn page(&self, cf: &str, prefix: &[u8], last: Option<&str>, n: usize) -> Result<(Vec<String>, bool), IndexError> {
+    fn page(
+        &self,
+        cf: &str,
+        prefix: &[u8],
+        last: Option<&str>,
+        n: usize,
+    ) -> Result<(Vec<String>, bool), IndexError> {
         let mut start = prefix.to_vec();
         if let Some(l) = last {
             start.extend_from_slice(l.as_bytes());
@@ -256,7 +292,12 @@ impl Index {
     }
 
     /// Tags of `repo` in lexical order, paginated.
-    pub fn tags(&self, repo: &RepoName, last: Option<&str>, n: usize) -> Result<(Vec<String>, bool), IndexError> {
+    pub fn tags(
+        &self,
+        repo: &RepoName,
+        last: Option<&str>,
+        n: usize,
+    ) -> Result<(Vec<String>, bool), IndexError> {
         self.page("tags", &key2(repo.as_str(), ""), last, n)
     }
 
@@ -266,22 +307,28 @@ impl Index {
     }
 
     /// Descriptors of the manifests in `repo` whose subject is `subject`.
-    pub fn referrers(&self, repo: &RepoName, subject: &Digest) -> Result<Vec<serde_json::Value>, IndexError> {
+    pub fn referrers(
+        &self,
+        repo: &RepoName,
+        subject: &Digest,
+    ) -> Result<Vec<serde_json::Value>, IndexError> {
         let mut prefix = key2(repo.as_str(), &subject.to_string());
         prefix.push(0);
         let mut out = Vec::new();
-        for item in self
-            .db
-            .iterator_cf(self.cf("referrers"), IteratorMode::From(&prefix, Direction::Forward))
-        {
+        for item in self.db.iterator_cf(
+            self.cf("referrers"),
+            IteratorMode::From(&prefix, Direction::Forward),
+        ) {
             let (k, v) = item?;
             if !k.starts_with(&prefix) {
                 break;
             }
-            out.push(serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt {
-                key: String::from_utf8_lossy(&k).into_owned(),
-                source,
-            })?);
+            out.push(
+                serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt {
+                    key: String::from_utf8_lossy(&k).into_owned(),
+                    source,
+                })?,
+            );
         }
         Ok(out)
     }
@@ -353,27 +400,78 @@ mod tests {
             .unwrap();
         }
         let t = Tag::parse("zzz").unwrap();
-        ix.put_manifest(ManifestWrite { repo: &other, digest: &d1, record: rec(), tag: Some(&t), tag_immutable: false, referrer: None })
-            .unwrap();
-        assert_eq!(ix.tags(&repo, None, 10).unwrap(), (vec!["latest".into(), "v1".into(), "v2".into(), "v3".into()], false));
-        assert_eq!(ix.tags(&repo, None, 2).unwrap(), (vec!["latest".into(), "v1".into()], true));
-        assert_eq!(ix.tags(&repo, Some("v1"), 2).unwrap(), (vec!["v2".into(), "v3".into()], false));
-        assert_eq!(ix.catalog(None, 10).unwrap().0, vec!["a/b".to_string(), "a/bc".to_string()]);
-        assert_eq!(ix.catalog(Some("a/b"), 10).unwrap().0, vec!["a/bc".to_string()]);
+        ix.put_manifest(ManifestWrite {
+            repo: &other,
+            digest: &d1,
+            record: rec(),
+            tag: Some(&t),
+            tag_immutable: false,
+            referrer: None,
+        })
+        .unwrap();
+        assert_eq!(
+            ix.tags(&repo, None, 10).unwrap(),
+            (
+                vec!["latest".into(), "v1".into(), "v2".into(), "v3".into()],
+                false
+            )
+        );
+        assert_eq!(
+            ix.tags(&repo, None, 2).unwrap(),
+            (vec!["latest".into(), "v1".into()], true)
+        );
+        assert_eq!(
+            ix.tags(&repo, Some("v1"), 2).unwrap(),
+            (vec!["v2".into(), "v3".into()], false)
+        );
+        assert_eq!(
+            ix.catalog(None, 10).unwrap().0,
+            vec!["a/b".to_string(), "a/bc".to_string()]
+        );
+        assert_eq!(
+            ix.catalog(Some("a/b"), 10).unwrap().0,
+            vec!["a/bc".to_string()]
+        );
 
         let v1 = Tag::parse("v1").unwrap();
-        let same = ix.put_manifest(ManifestWrite { repo: &repo, digest: &d1, record: rec(), tag: Some(&v1), tag_immutable: true, referrer: None });
-        assert!(same.is_ok(), "re-pushing identical content is always accepted");
-        let moved = ix.put_manifest(ManifestWrite { repo: &repo, digest: &d2, record: rec(), tag: Some(&v1), tag_immutable: true, referrer: None });
+        let same = ix.put_manifest(ManifestWrite {
+            repo: &repo,
+            digest: &d1,
+            record: rec(),
+            tag: Some(&v1),
+            tag_immutable: true,
+            referrer: None,
+        });
+        assert!(
+            same.is_ok(),
+            "re-pushing identical content is always accepted"
+        );
+        let moved = ix.put_manifest(ManifestWrite {
+            repo: &repo,
+            digest: &d2,
+            record: rec(),
+            tag: Some(&v1),
+            tag_immutable: true,
+            referrer: None,
+        });
         assert!(matches!(moved, Err(IndexError::TagImmutable { .. })));
         assert_eq!(ix.tag(&repo, &v1).unwrap(), Some(d1.clone()));
-        assert_eq!(ix.manifest(&repo, &d2).unwrap(), None, "a refused push writes nothing");
+        assert_eq!(
+            ix.manifest(&repo, &d2).unwrap(),
+            None,
+            "a refused push writes nothing"
+        );
     }
 
     #[test]
     fn sessions_survive_reopen() {
         let dir = tempfile::tempdir().unwrap();
-        let s = UploadSession { repo: "x".into(), offset: 5, created_unix: 1, updated_unix: 2 };
+        let s = UploadSession {
+            repo: "x".into(),
+            offset: 5,
+            created_unix: 1,
+            updated_unix: 2,
+        };
         {
             let ix = Index::open(dir.path()).unwrap();
             ix.put_upload("abc", &s).unwrap();

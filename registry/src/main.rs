@@ -5,7 +5,11 @@ use clap::{Parser, Subcommand};
 use amber_registry::config::ConfigArgs;
 
 #[derive(Parser)]
-#[command(name = "amber-registry", version, about = "amber's OCI registry of execution environments")]
+#[command(
+    name = "amber-registry",
+    version,
+    about = "amber's OCI registry of execution environments"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -22,7 +26,9 @@ enum Command {
 fn init_logs() {
     let filter = tracing_subscriber::EnvFilter::try_from_env("AMBER_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let fmt = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let fmt = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if std::env::var("AMBER_LOG_FORMAT").as_deref() == Ok("json") {
         fmt.json().init();
     } else {

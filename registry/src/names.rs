@@ -229,7 +229,13 @@ mod tests {
 
     #[test]
     fn names() {
-        for ok in ["a", "library/ubuntu", "swe/task-123", "a.b_c__d---e/f0", "x/y/z"] {
+        for ok in [
+            "a",
+            "library/ubuntu",
+            "swe/task-123",
+            "a.b_c__d---e/f0",
+            "x/y/z",
+        ] {
             assert!(RepoName::parse(ok).is_ok(), "{ok}");
         }
         for bad in [

@@ -74,7 +74,10 @@ impl Registry {
     }
 
     pub fn forget_session(&self, id: &str) {
-        self.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+        self.sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
     }
 
     /// Brings upload sessions and staged data back into agreement after a restart:
@@ -104,7 +107,8 @@ impl Registry {
                 Some(_) => kept += 1,
             }
         }
-        let known: std::collections::HashSet<&str> = sessions.iter().map(|(id, _)| id.as_str()).collect();
+        let known: std::collections::HashSet<&str> =
+            sessions.iter().map(|(id, _)| id.as_str()).collect();
         let mut orphans = 0;
         for id in self.store.list_staged().await? {
             if !known.contains(id.as_str()) {
@@ -158,23 +162,42 @@ mod tests {
     }
 
     async fn session(reg: &Registry, id: &str, updated: u64, data: &'static [u8], acked: u64) {
-        let s = UploadSession { repo: "r".into(), offset: acked, created_unix: updated, updated_unix: updated };
+        let s = UploadSession {
+            repo: "r".into(),
+            offset: acked,
+            created_unix: updated,
+            updated_unix: updated,
+        };
         reg.index.put_upload(id, &s).unwrap();
         let body = Box::pin(stream::iter([Ok(bytes::Bytes::from_static(data))]));
-        reg.store.append_staged(id, 0, body, &mut |_| {}).await.unwrap();
+        reg.store
+            .append_staged(id, 0, body, &mut |_| {})
+            .await
+            .unwrap();
     }
 
     #[tokio::test]
     async fn abandoned_sessions_expire_with_their_data() {
         let dir = tempfile::tempdir().unwrap();
         let reg = registry(dir.path(), 3600);
-        let (old, fresh) = ("00000000-0000-0000-0000-0000000000a1", "00000000-0000-0000-0000-0000000000a2");
+        let (old, fresh) = (
+            "00000000-0000-0000-0000-0000000000a1",
+            "00000000-0000-0000-0000-0000000000a2",
+        );
         session(&reg, old, 1_000, b"old", 3).await;
         session(&reg, fresh, 5_000, b"fresh", 5).await;
-        assert_eq!(reg.expire_uploads(4_599).await.unwrap(), 0, "nothing idle for an hour yet");
+        assert_eq!(
+            reg.expire_uploads(4_599).await.unwrap(),
+            0,
+            "nothing idle for an hour yet"
+        );
         assert_eq!(reg.expire_uploads(4_600).await.unwrap(), 1);
         assert_eq!(reg.index.upload(old).unwrap(), None);
-        assert_eq!(reg.store.staged_len(old).await.unwrap(), None, "its data is removed");
+        assert_eq!(
+            reg.store.staged_len(old).await.unwrap(),
+            None,
+            "its data is removed"
+        );
         assert!(reg.index.upload(fresh).unwrap().is_some());
         assert_eq!(reg.store.staged_len(fresh).await.unwrap(), Some(5));
     }
@@ -183,14 +206,27 @@ mod tests {
     async fn recovery_cuts_unacknowledged_bytes_and_drops_orphans() {
         let dir = tempfile::tempdir().unwrap();
         let reg = registry(dir.path(), 3600);
-        let (a, b) = ("00000000-0000-0000-0000-0000000000b1", "00000000-0000-0000-0000-0000000000b2");
+        let (a, b) = (
+            "00000000-0000-0000-0000-0000000000b1",
+            "00000000-0000-0000-0000-0000000000b2",
+        );
         session(&reg, a, 1, b"acked+unacked", 5).await;
         // Staged data without a session: a crash between staging and indexing.
         let body = Box::pin(stream::iter([Ok(bytes::Bytes::from_static(b"orphan"))]));
-        reg.store.append_staged(b, 0, body, &mut |_| {}).await.unwrap();
+        reg.store
+            .append_staged(b, 0, body, &mut |_| {})
+            .await
+            .unwrap();
         // A session whose data is gone (published just before a crash).
-        let gone = UploadSession { repo: "r".into(), offset: 9, created_unix: 1, updated_unix: 1 };
-        reg.index.put_upload("00000000-0000-0000-0000-0000000000b3", &gone).unwrap();
+        let gone = UploadSession {
+            repo: "r".into(),
+            offset: 9,
+            created_unix: 1,
+            updated_unix: 1,
+        };
+        reg.index
+            .put_upload("00000000-0000-0000-0000-0000000000b3", &gone)
+            .unwrap();
         assert_eq!(reg.recover_uploads().await.unwrap(), (1, 1, 1));
         assert_eq!(reg.store.staged_len(a).await.unwrap(), Some(5));
         assert_eq!(reg.store.staged_len(b).await.unwrap(), None);

@@ -17,11 +17,15 @@ pub async fn open(config: Config) -> anyhow::Result<Arc<Registry>> {
     std::fs::create_dir_all(&config.data)
         .with_context(|| format!("creating data directory {}", config.data.display()))?;
     let index_dir = config.data.join("index");
-    let index = Index::open(&index_dir).with_context(|| format!("opening index at {}", index_dir.display()))?;
+    let index = Index::open(&index_dir)
+        .with_context(|| format!("opening index at {}", index_dir.display()))?;
     let store: Arc<dyn ObjectStore> = match config.storage {
         StorageKind::Fs => {
             let root = config.data.join("store");
-            Arc::new(FsStore::open(&root).with_context(|| format!("opening store at {}", root.display()))?)
+            Arc::new(
+                FsStore::open(&root)
+                    .with_context(|| format!("opening store at {}", root.display()))?,
+            )
         }
         StorageKind::S3 => anyhow::bail!("storage `s3` is not available yet"),
     };
@@ -30,10 +34,14 @@ pub async fn open(config: Config) -> anyhow::Result<Arc<Registry>> {
 
 /// Serves on `listener` until SIGINT or SIGTERM. Prints `listening on <addr>` first.
 pub async fn serve(reg: Arc<Registry>, listener: TcpListener) -> anyhow::Result<()> {
-    let (kept, dropped, orphans) = reg.recover_uploads().await.context("recovering upload sessions")?;
+    let (kept, dropped, orphans) = reg
+        .recover_uploads()
+        .await
+        .context("recovering upload sessions")?;
     tracing::info!(kept, dropped, orphans, "upload sessions recovered");
     if let StorageKind::Fs = reg.config.storage {
-        let removed = crate::store::fs::clean_tmp(&reg.config.data.join("store")).context("cleaning temporary objects")?;
+        let removed = crate::store::fs::clean_tmp(&reg.config.data.join("store"))
+            .context("cleaning temporary objects")?;
         if removed > 0 {
             tracing::info!(removed, "removed temporary objects of interrupted writes");
         }

@@ -40,13 +40,28 @@ async fn blob_head_get_and_ranges() {
     let r = c.get(&url).send().await.unwrap();
     assert_eq!(&r.bytes().await.unwrap()[..], data);
 
-    let r = c.get(&url).header("Range", "bytes=2-5").send().await.unwrap();
+    let r = c
+        .get(&url)
+        .header("Range", "bytes=2-5")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 206);
     assert_eq!(h(&r, "content-range"), "bytes 2-5/16");
     assert_eq!(&r.bytes().await.unwrap()[..], b"2345");
-    let r = c.get(&url).header("Range", "bytes=-3").send().await.unwrap();
+    let r = c
+        .get(&url)
+        .header("Range", "bytes=-3")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(&r.bytes().await.unwrap()[..], b"def");
-    let r = c.get(&url).header("Range", "bytes=10-").send().await.unwrap();
+    let r = c
+        .get(&url)
+        .header("Range", "bytes=10-")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(&r.bytes().await.unwrap()[..], b"abcdef");
 
     // Unsatisfiable and malformed ranges get 416 with the size.
@@ -56,7 +71,11 @@ async fn blob_head_get_and_ranges() {
         assert_eq!(h(&r, "content-range"), "bytes */16");
     }
     // The blob is not visible from another repository.
-    let r = c.get(s.url(&format!("/v2/r/other/blobs/{d}"))).send().await.unwrap();
+    let r = c
+        .get(s.url(&format!("/v2/r/other/blobs/{d}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 404);
     assert_eq!(error_code(r).await, "BLOB_UNKNOWN");
 }
@@ -65,22 +84,45 @@ async fn blob_head_get_and_ranges() {
 async fn chunked_upload_with_content_range_and_out_of_order_chunk() {
     let s = Server::start(&[]);
     let c = client();
-    let r = c.post(s.url("/v2/r/chunked/blobs/uploads/")).send().await.unwrap();
+    let r = c
+        .post(s.url("/v2/r/chunked/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 202);
     let loc = h(&r, "location").to_string();
     assert!(loc.starts_with("/v2/r/chunked/blobs/uploads/"));
     assert_eq!(h(&r, "range"), "0-0");
     assert!(!h(&r, "docker-upload-uuid").is_empty());
 
-    let r = c.patch(s.url(&loc)).header("Content-Range", "0-4").header("Content-Type", "application/octet-stream").body("hello").send().await.unwrap();
+    let r = c
+        .patch(s.url(&loc))
+        .header("Content-Range", "0-4")
+        .header("Content-Type", "application/octet-stream")
+        .body("hello")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 202);
     assert_eq!(h(&r, "range"), "0-4");
     // Out of order: starts at 10 while the upload has 5 bytes.
-    let r = c.patch(s.url(&loc)).header("Content-Range", "10-14").body("xxxxx").send().await.unwrap();
+    let r = c
+        .patch(s.url(&loc))
+        .header("Content-Range", "10-14")
+        .body("xxxxx")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 416);
     assert_eq!(h(&r, "range"), "0-4");
     // Content-Range and body disagree.
-    let r = c.patch(s.url(&loc)).header("Content-Range", "5-9").body("ab").send().await.unwrap();
+    let r = c
+        .patch(s.url(&loc))
+        .header("Content-Range", "5-9")
+        .body("ab")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 400);
     assert_eq!(error_code(r).await, "BLOB_UPLOAD_INVALID");
 
@@ -88,16 +130,34 @@ async fn chunked_upload_with_content_range_and_out_of_order_chunk() {
     assert_eq!(r.status(), 204);
     assert_eq!(h(&r, "range"), "0-4");
 
-    let r = c.patch(s.url(&loc)).header("Content-Range", "bytes=5-10").body(" world").send().await.unwrap();
+    let r = c
+        .patch(s.url(&loc))
+        .header("Content-Range", "bytes=5-10")
+        .body(" world")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 202);
     assert_eq!(h(&r, "range"), "0-10");
     let d = sha256(b"hello world!");
     // The final chunk rides on the PUT.
-    let r = c.put(s.url(&format!("{loc}?digest={d}"))).body("!").send().await.unwrap();
+    let r = c
+        .put(s.url(&format!("{loc}?digest={d}")))
+        .body("!")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 201);
     assert_eq!(h(&r, "location"), format!("/v2/r/chunked/blobs/{d}"));
     assert_eq!(h(&r, "docker-content-digest"), d);
-    let got = c.get(s.url(&format!("/v2/r/chunked/blobs/{d}"))).send().await.unwrap().bytes().await.unwrap();
+    let got = c
+        .get(s.url(&format!("/v2/r/chunked/blobs/{d}")))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
     assert_eq!(&got[..], b"hello world!");
     // The session is gone once finished.
     let r = c.get(s.url(&loc)).send().await.unwrap();
@@ -109,18 +169,36 @@ async fn chunked_upload_with_content_range_and_out_of_order_chunk() {
 async fn streamed_patch_without_content_range_as_docker_sends_it() {
     let s = Server::start(&[]);
     let c = client();
-    let r = c.post(s.url("/v2/r/streamed/blobs/uploads/")).send().await.unwrap();
+    let r = c
+        .post(s.url("/v2/r/streamed/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
     let loc = h(&r, "location").to_string();
-    let parts: Vec<Result<Vec<u8>, std::io::Error>> = (0..64).map(|i| Ok(vec![i as u8; 65536])).collect();
+    let parts: Vec<Result<Vec<u8>, std::io::Error>> =
+        (0..64).map(|i| Ok(vec![i as u8; 65536])).collect();
     let all: Vec<u8> = (0..64).flat_map(|i| vec![i as u8; 65536]).collect();
     // A streamed body is sent with Transfer-Encoding: chunked and no Content-Length.
-    let r = c.patch(s.url(&loc)).body(reqwest::Body::wrap_stream(stream::iter(parts))).send().await.unwrap();
+    let r = c
+        .patch(s.url(&loc))
+        .body(reqwest::Body::wrap_stream(stream::iter(parts)))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 202);
     assert_eq!(h(&r, "range"), format!("0-{}", all.len() - 1));
     let d = sha256(&all);
-    let r = c.put(s.url(&format!("{loc}?digest={d}"))).send().await.unwrap();
+    let r = c
+        .put(s.url(&format!("{loc}?digest={d}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 201);
-    let r = c.head(s.url(&format!("/v2/r/streamed/blobs/{d}"))).send().await.unwrap();
+    let r = c
+        .head(s.url(&format!("/v2/r/streamed/blobs/{d}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(h(&r, "content-length"), all.len().to_string());
 }
 
@@ -129,19 +207,40 @@ async fn wrong_or_missing_digest_is_refused_and_nothing_is_published() {
     let s = Server::start(&[]);
     let c = client();
     let wrong = sha256(b"something else");
-    let r = c.post(s.url(&format!("/v2/r/d/blobs/uploads/?digest={wrong}"))).body("data").send().await.unwrap();
+    let r = c
+        .post(s.url(&format!("/v2/r/d/blobs/uploads/?digest={wrong}")))
+        .body("data")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 400);
     assert_eq!(error_code(r).await, "DIGEST_INVALID");
-    let r = c.head(s.url(&format!("/v2/r/d/blobs/{wrong}"))).send().await.unwrap();
+    let r = c
+        .head(s.url(&format!("/v2/r/d/blobs/{wrong}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 404);
-    let r = c.post(s.url("/v2/r/d/blobs/uploads/")).send().await.unwrap();
+    let r = c
+        .post(s.url("/v2/r/d/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
     let loc = h(&r, "location").to_string();
     let r = c.put(s.url(&loc)).body("x").send().await.unwrap();
     assert_eq!(r.status(), 400, "PUT without ?digest=");
     assert_eq!(error_code(r).await, "DIGEST_INVALID");
-    let r = c.put(s.url(&format!("{loc}?digest=sha256:nothex"))).send().await.unwrap();
+    let r = c
+        .put(s.url(&format!("{loc}?digest=sha256:nothex")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(error_code(r).await, "DIGEST_INVALID");
-    let r = c.put(s.url(&format!("{loc}?digest=md5:abcd"))).send().await.unwrap();
+    let r = c
+        .put(s.url(&format!("{loc}?digest=md5:abcd")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(error_code(r).await, "DIGEST_INVALID");
 }
 
@@ -151,9 +250,18 @@ async fn sha512_blobs_and_manifests() {
     let c = client();
     let data = b"sha512 content";
     let d = sha512(data);
-    let r = c.post(s.url(&format!("/v2/r/s512/blobs/uploads/?digest={d}"))).body(data.to_vec()).send().await.unwrap();
+    let r = c
+        .post(s.url(&format!("/v2/r/s512/blobs/uploads/?digest={d}")))
+        .body(data.to_vec())
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 201);
-    let r = c.get(s.url(&format!("/v2/r/s512/blobs/{d}"))).send().await.unwrap();
+    let r = c
+        .get(s.url(&format!("/v2/r/s512/blobs/{d}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(h(&r, "docker-content-digest"), d);
     assert_eq!(&r.bytes().await.unwrap()[..], data);
 
@@ -162,7 +270,11 @@ async fn sha512_blobs_and_manifests() {
     let r = put_manifest(&s, "r/s512", &md, OCI_MANIFEST, &m).await;
     assert_eq!(r.status(), 201);
     assert_eq!(h(&r, "docker-content-digest"), md);
-    let r = c.get(s.url(&format!("/v2/r/s512/manifests/{md}"))).send().await.unwrap();
+    let r = c
+        .get(s.url(&format!("/v2/r/s512/manifests/{md}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.text().await.unwrap(), m);
 }
 
@@ -171,20 +283,46 @@ async fn cross_repository_mount_or_fallback_to_a_session() {
     let s = Server::start(&[]);
     let c = client();
     let d = push_blob(&s, "src/repo", b"shared layer").await;
-    let r = c.post(s.url(&format!("/v2/dst/repo/blobs/uploads/?mount={d}&from=src/repo"))).send().await.unwrap();
+    let r = c
+        .post(s.url(&format!(
+            "/v2/dst/repo/blobs/uploads/?mount={d}&from=src/repo"
+        )))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 201);
     assert_eq!(h(&r, "location"), format!("/v2/dst/repo/blobs/{d}"));
-    let r = c.get(s.url(&format!("/v2/dst/repo/blobs/{d}"))).send().await.unwrap();
+    let r = c
+        .get(s.url(&format!("/v2/dst/repo/blobs/{d}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(&r.bytes().await.unwrap()[..], b"shared layer");
     // Source does not have it: 202 with a new session.
     let missing = sha256(b"nope");
-    let r = c.post(s.url(&format!("/v2/dst/repo/blobs/uploads/?mount={missing}&from=src/repo"))).send().await.unwrap();
+    let r = c
+        .post(s.url(&format!(
+            "/v2/dst/repo/blobs/uploads/?mount={missing}&from=src/repo"
+        )))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 202);
     assert!(h(&r, "location").starts_with("/v2/dst/repo/blobs/uploads/"));
     // Without `from`: a session too.
-    let r = c.post(s.url(&format!("/v2/dst/other/blobs/uploads/?mount={d}"))).send().await.unwrap();
+    let r = c
+        .post(s.url(&format!("/v2/dst/other/blobs/uploads/?mount={d}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 202);
-    let r = c.post(s.url(&format!("/v2/dst/repo/blobs/uploads/?mount={d}&from=Bad..Name"))).send().await.unwrap();
+    let r = c
+        .post(s.url(&format!(
+            "/v2/dst/repo/blobs/uploads/?mount={d}&from=Bad..Name"
+        )))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 400);
     assert_eq!(error_code(r).await, "NAME_INVALID");
 }
@@ -193,7 +331,11 @@ async fn cross_repository_mount_or_fallback_to_a_session() {
 async fn cancelled_upload_is_gone() {
     let s = Server::start(&[]);
     let c = client();
-    let r = c.post(s.url("/v2/r/c/blobs/uploads/")).send().await.unwrap();
+    let r = c
+        .post(s.url("/v2/r/c/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
     let loc = h(&r, "location").to_string();
     c.patch(s.url(&loc)).body("partial").send().await.unwrap();
     let r = c.delete(s.url(&loc)).send().await.unwrap();
@@ -207,11 +349,21 @@ async fn cancelled_upload_is_gone() {
         assert_eq!(error_code(r).await, "BLOB_UPLOAD_UNKNOWN");
     }
     // A session of another repository is not reachable through this one.
-    let r = c.post(s.url("/v2/r/c/blobs/uploads/")).send().await.unwrap();
+    let r = c
+        .post(s.url("/v2/r/c/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
     let id = h(&r, "docker-upload-uuid").to_string();
-    let r = c.get(s.url(&format!("/v2/r/other/blobs/uploads/{id}"))).send().await.unwrap();
+    let r = c
+        .get(s.url(&format!("/v2/r/other/blobs/uploads/{id}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 404);
-    let staging = std::fs::read_dir(s.data.join("store/_staging")).unwrap().count();
+    let staging = std::fs::read_dir(s.data.join("store/_staging"))
+        .unwrap()
+        .count();
     assert_eq!(staging, 0, "cancelled and empty sessions hold no data");
 }
 
@@ -220,39 +372,67 @@ async fn manifests_round_trip_exact_bytes_for_all_four_media_types() {
     let s = Server::start(&[]);
     let c = client();
     // Odd whitespace: the registry must return exactly what was pushed.
-    let m = image_manifest(&s, "m/x", "one", "").await.replace(",\"layers\"", ",\n  \"layers\"");
+    let m = image_manifest(&s, "m/x", "one", "")
+        .await
+        .replace(",\"layers\"", ",\n  \"layers\"");
     let r = put_manifest(&s, "m/x", "v1", OCI_MANIFEST, &m).await;
     assert_eq!(r.status(), 201);
     let d = h(&r, "docker-content-digest").to_string();
     assert_eq!(d, sha256(m.as_bytes()));
     assert_eq!(h(&r, "location"), format!("/v2/m/x/manifests/{d}"));
     for reference in ["v1", d.as_str()] {
-        let r = c.get(s.url(&format!("/v2/m/x/manifests/{reference}"))).header("Accept", OCI_MANIFEST).send().await.unwrap();
+        let r = c
+            .get(s.url(&format!("/v2/m/x/manifests/{reference}")))
+            .header("Accept", OCI_MANIFEST)
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 200);
         assert_eq!(h(&r, "content-type"), OCI_MANIFEST);
         assert_eq!(h(&r, "docker-content-digest"), d);
         assert_eq!(r.text().await.unwrap(), m);
-        let r = c.head(s.url(&format!("/v2/m/x/manifests/{reference}"))).send().await.unwrap();
+        let r = c
+            .head(s.url(&format!("/v2/m/x/manifests/{reference}")))
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status(), 200);
         assert_eq!(h(&r, "content-length"), m.len().to_string());
     }
     // Docker schema 2 manifest.
-    let dm = image_manifest(&s, "m/x", "two", "").await.replace(OCI_MANIFEST, DOCKER_MANIFEST);
+    let dm = image_manifest(&s, "m/x", "two", "")
+        .await
+        .replace(OCI_MANIFEST, DOCKER_MANIFEST);
     let r = put_manifest(&s, "m/x", "docker", DOCKER_MANIFEST, &dm).await;
     assert_eq!(r.status(), 201);
     let dd = h(&r, "docker-content-digest").to_string();
-    let r = c.get(s.url("/v2/m/x/manifests/docker")).send().await.unwrap();
+    let r = c
+        .get(s.url("/v2/m/x/manifests/docker"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(h(&r, "content-type"), DOCKER_MANIFEST);
     assert_eq!(r.text().await.unwrap(), dm);
     // OCI index and Docker manifest list over them.
-    for (mt, child_mt, tag) in [(OCI_INDEX, OCI_MANIFEST, "index"), (DOCKER_LIST, DOCKER_MANIFEST, "list")] {
-        let (cd, cs) = if child_mt == OCI_MANIFEST { (&d, m.len()) } else { (&dd, dm.len()) };
+    for (mt, child_mt, tag) in [
+        (OCI_INDEX, OCI_MANIFEST, "index"),
+        (DOCKER_LIST, DOCKER_MANIFEST, "list"),
+    ] {
+        let (cd, cs) = if child_mt == OCI_MANIFEST {
+            (&d, m.len())
+        } else {
+            (&dd, dm.len())
+        };
         let idx = format!(
             r#"{{"schemaVersion":2,"mediaType":"{mt}","manifests":[{{"mediaType":"{child_mt}","digest":"{cd}","size":{cs},"platform":{{"architecture":"amd64","os":"linux"}}}}]}}"#
         );
         let r = put_manifest(&s, "m/x", tag, mt, &idx).await;
         assert_eq!(r.status(), 201, "{mt}");
-        let r = c.get(s.url(&format!("/v2/m/x/manifests/{tag}"))).send().await.unwrap();
+        let r = c
+            .get(s.url(&format!("/v2/m/x/manifests/{tag}")))
+            .send()
+            .await
+            .unwrap();
         assert_eq!(h(&r, "content-type"), mt);
         assert_eq!(r.text().await.unwrap(), idx);
     }
@@ -263,8 +443,16 @@ async fn manifests_round_trip_exact_bytes_for_all_four_media_types() {
     let r = c.get(s.url("/v2/m/x/manifests/nope")).send().await.unwrap();
     assert_eq!(r.status(), 404);
     assert_eq!(error_code(r).await, "MANIFEST_UNKNOWN");
-    let r = c.get(s.url(&format!("/v2/m/other/manifests/{d}"))).send().await.unwrap();
-    assert_eq!(r.status(), 404, "a manifest is only visible in the repository it was pushed to");
+    let r = c
+        .get(s.url(&format!("/v2/m/other/manifests/{d}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        404,
+        "a manifest is only visible in the repository it was pushed to"
+    );
 }
 
 #[tokio::test]
@@ -273,20 +461,48 @@ async fn bad_manifests_get_4xx_with_the_spec_codes() {
     let m = image_manifest(&s, "m/bad", "b", "").await;
     let missing = sha256(b"never pushed");
     let cases: Vec<(String, &str, &str, u16, &str)> = vec![
-        ("{not json".into(), OCI_MANIFEST, "t", 400, "MANIFEST_INVALID"),
-        (r#"{"schemaVersion":1,"name":"x"}"#.into(), "application/vnd.docker.distribution.manifest.v1+prettyjws", "t", 400, "MANIFEST_INVALID"),
+        (
+            "{not json".into(),
+            OCI_MANIFEST,
+            "t",
+            400,
+            "MANIFEST_INVALID",
+        ),
+        (
+            r#"{"schemaVersion":1,"name":"x"}"#.into(),
+            "application/vnd.docker.distribution.manifest.v1+prettyjws",
+            "t",
+            400,
+            "MANIFEST_INVALID",
+        ),
         (m.clone(), DOCKER_MANIFEST, "t", 400, "MANIFEST_INVALID"),
-        (m.replace("\"size\":", "\"size\":1"), OCI_MANIFEST, "t", 400, "MANIFEST_INVALID"),
+        (
+            m.replace("\"size\":", "\"size\":1"),
+            OCI_MANIFEST,
+            "t",
+            400,
+            "MANIFEST_INVALID",
+        ),
         (m.clone(), OCI_MANIFEST, &missing, 400, "DIGEST_INVALID"),
         (m.clone(), OCI_MANIFEST, "bad:tag", 400, "DIGEST_INVALID"),
         (m.clone(), OCI_MANIFEST, ".badtag", 400, "MANIFEST_INVALID"),
         (
-            format!(r#"{{"schemaVersion":2,"mediaType":"{OCI_MANIFEST}","config":{{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"{missing}","size":3}},"layers":[]}}"#),
-            OCI_MANIFEST, "t", 400, "MANIFEST_BLOB_UNKNOWN",
+            format!(
+                r#"{{"schemaVersion":2,"mediaType":"{OCI_MANIFEST}","config":{{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"{missing}","size":3}},"layers":[]}}"#
+            ),
+            OCI_MANIFEST,
+            "t",
+            400,
+            "MANIFEST_BLOB_UNKNOWN",
         ),
         (
-            format!(r#"{{"schemaVersion":2,"mediaType":"{OCI_INDEX}","manifests":[{{"mediaType":"{OCI_MANIFEST}","digest":"{missing}","size":3}}]}}"#),
-            OCI_INDEX, "t", 400, "MANIFEST_BLOB_UNKNOWN",
+            format!(
+                r#"{{"schemaVersion":2,"mediaType":"{OCI_INDEX}","manifests":[{{"mediaType":"{OCI_MANIFEST}","digest":"{missing}","size":3}}]}}"#
+            ),
+            OCI_INDEX,
+            "t",
+            400,
+            "MANIFEST_BLOB_UNKNOWN",
         ),
     ];
     for (body, mt, reference, status, code) in cases {
@@ -295,12 +511,19 @@ async fn bad_manifests_get_4xx_with_the_spec_codes() {
         assert_eq!(error_code(r).await, code, "{body}");
     }
     // Larger than 4 MiB.
-    let big = format!(r#"{{"schemaVersion":2,"pad":"{}"}}"#, "x".repeat(4 * 1024 * 1024));
+    let big = format!(
+        r#"{{"schemaVersion":2,"pad":"{}"}}"#,
+        "x".repeat(4 * 1024 * 1024)
+    );
     let r = put_manifest(&s, "m/bad", "big", OCI_MANIFEST, &big).await;
     assert_eq!(r.status(), 413);
     assert_eq!(error_code(r).await, "MANIFEST_INVALID");
     // Nothing above was stored.
-    let r = client().get(s.url("/v2/m/bad/tags/list")).send().await.unwrap();
+    let r = client()
+        .get(s.url("/v2/m/bad/tags/list"))
+        .send()
+        .await
+        .unwrap();
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["tags"], serde_json::json!([]));
 }
@@ -336,32 +559,63 @@ async fn referrers_with_subject_before_and_after_it_exists_and_artifact_type_fil
     assert_eq!(r.status(), 201);
     assert_eq!(h(&r, "oci-subject"), sd);
     let sbom = artifact("sbom");
-    assert_eq!(put_manifest(&s, "ref/x", "sbom", OCI_MANIFEST, &sbom).await.status(), 201);
-    assert_eq!(put_manifest(&s, "ref/x", "v1", OCI_MANIFEST, &subject).await.status(), 201);
+    assert_eq!(
+        put_manifest(&s, "ref/x", "sbom", OCI_MANIFEST, &sbom)
+            .await
+            .status(),
+        201
+    );
+    assert_eq!(
+        put_manifest(&s, "ref/x", "v1", OCI_MANIFEST, &subject)
+            .await
+            .status(),
+        201
+    );
 
-    let r = c.get(s.url(&format!("/v2/ref/x/referrers/{sd}"))).send().await.unwrap();
+    let r = c
+        .get(s.url(&format!("/v2/ref/x/referrers/{sd}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(h(&r, "content-type"), OCI_INDEX);
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["schemaVersion"], 2);
     let ms = v["manifests"].as_array().unwrap();
     assert_eq!(ms.len(), 2);
-    let sig_desc = ms.iter().find(|m| m["digest"] == sha256(sig.as_bytes())).expect("signature listed");
+    let sig_desc = ms
+        .iter()
+        .find(|m| m["digest"] == sha256(sig.as_bytes()))
+        .expect("signature listed");
     assert_eq!(sig_desc["artifactType"], "application/vnd.test.signature");
     assert_eq!(sig_desc["size"], sig.len());
     assert_eq!(sig_desc["annotations"]["k"], "signature");
 
-    let r = c.get(s.url(&format!("/v2/ref/x/referrers/{sd}?artifactType=application/vnd.test.sbom"))).send().await.unwrap();
+    let r = c
+        .get(s.url(&format!(
+            "/v2/ref/x/referrers/{sd}?artifactType=application/vnd.test.sbom"
+        )))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(h(&r, "oci-filters-applied"), "artifactType");
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["manifests"].as_array().unwrap().len(), 1);
     assert_eq!(v["manifests"][0]["digest"], sha256(sbom.as_bytes()));
     // No referrers: an empty index, not 404.
-    let r = c.get(s.url(&format!("/v2/ref/x/referrers/{}", sha256(b"z")))).send().await.unwrap();
+    let r = c
+        .get(s.url(&format!("/v2/ref/x/referrers/{}", sha256(b"z"))))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["manifests"], serde_json::json!([]));
-    let r = c.get(s.url("/v2/ref/x/referrers/sha256:short")).send().await.unwrap();
+    let r = c
+        .get(s.url("/v2/ref/x/referrers/sha256:short"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 400);
 }
 
@@ -371,19 +625,39 @@ async fn tags_and_catalog_paginate_with_link_headers() {
     let c = client();
     let m = image_manifest(&s, "p/one", "p", "").await;
     for t in ["c", "a", "e", "b", "d"] {
-        assert_eq!(put_manifest(&s, "p/one", t, OCI_MANIFEST, &m).await.status(), 201);
+        assert_eq!(
+            put_manifest(&s, "p/one", t, OCI_MANIFEST, &m)
+                .await
+                .status(),
+            201
+        );
     }
     for repo in ["p/two", "p/three"] {
         push_blob(&s, repo, b"x").await;
     }
-    let r = c.get(s.url("/v2/p/one/tags/list?n=2")).send().await.unwrap();
-    assert_eq!(h(&r, "link"), "</v2/p/one/tags/list?n=2&last=b>; rel=\"next\"");
+    let r = c
+        .get(s.url("/v2/p/one/tags/list?n=2"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        h(&r, "link"),
+        "</v2/p/one/tags/list?n=2&last=b>; rel=\"next\""
+    );
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v, serde_json::json!({"name": "p/one", "tags": ["a", "b"]}));
-    let r = c.get(s.url("/v2/p/one/tags/list?n=2&last=b")).send().await.unwrap();
+    let r = c
+        .get(s.url("/v2/p/one/tags/list?n=2&last=b"))
+        .send()
+        .await
+        .unwrap();
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["tags"], serde_json::json!(["c", "d"]));
-    let r = c.get(s.url("/v2/p/one/tags/list?n=2&last=d")).send().await.unwrap();
+    let r = c
+        .get(s.url("/v2/p/one/tags/list?n=2&last=d"))
+        .send()
+        .await
+        .unwrap();
     assert!(r.headers().get("link").is_none());
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["tags"], serde_json::json!(["e"]));
@@ -392,10 +666,17 @@ async fn tags_and_catalog_paginate_with_link_headers() {
     assert_eq!(v["tags"], serde_json::json!(["a", "b", "c", "d", "e"]));
 
     let r = c.get(s.url("/v2/_catalog?n=2")).send().await.unwrap();
-    assert_eq!(h(&r, "link"), "</v2/_catalog?n=2&last=p%2Fthree>; rel=\"next\"");
+    assert_eq!(
+        h(&r, "link"),
+        "</v2/_catalog?n=2&last=p%2Fthree>; rel=\"next\""
+    );
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["repositories"], serde_json::json!(["p/one", "p/three"]));
-    let r = c.get(s.url("/v2/_catalog?n=2&last=p%2Fthree")).send().await.unwrap();
+    let r = c
+        .get(s.url("/v2/_catalog?n=2&last=p%2Fthree"))
+        .send()
+        .await
+        .unwrap();
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["repositories"], serde_json::json!(["p/two"]));
 
@@ -414,27 +695,57 @@ async fn nothing_can_be_deleted_and_immutable_tags_do_not_move() {
     let m2 = image_manifest(&s, "prod/app", "2", "").await;
     let r = put_manifest(&s, "prod/app", "v1", OCI_MANIFEST, &m1).await;
     let d1 = h(&r, "docker-content-digest").to_string();
-    for url in [format!("/v2/prod/app/manifests/{d1}"), "/v2/prod/app/manifests/v1".into(), format!("/v2/prod/app/blobs/{}", sha256(b"layer bytes of 1"))] {
+    for url in [
+        format!("/v2/prod/app/manifests/{d1}"),
+        "/v2/prod/app/manifests/v1".into(),
+        format!("/v2/prod/app/blobs/{}", sha256(b"layer bytes of 1")),
+    ] {
         let r = c.delete(s.url(&url)).send().await.unwrap();
         assert_eq!(r.status(), 405, "{url}");
         assert_eq!(error_code(r).await, "UNSUPPORTED");
     }
-    assert_eq!(put_manifest(&s, "prod/app", "v1", OCI_MANIFEST, &m1).await.status(), 201, "same content again");
+    assert_eq!(
+        put_manifest(&s, "prod/app", "v1", OCI_MANIFEST, &m1)
+            .await
+            .status(),
+        201,
+        "same content again"
+    );
     let r = put_manifest(&s, "prod/app", "v1", OCI_MANIFEST, &m2).await;
     assert_eq!(r.status(), 409);
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["errors"][0]["code"], "DENIED");
-    assert!(v["errors"][0]["message"].as_str().unwrap().contains("immutable"));
-    let r = c.get(s.url("/v2/prod/app/manifests/v1")).send().await.unwrap();
-    assert_eq!(h(&r, "docker-content-digest"), d1, "the tag still points to the first push");
+    assert!(v["errors"][0]["message"]
+        .as_str()
+        .unwrap()
+        .contains("immutable"));
+    let r = c
+        .get(s.url("/v2/prod/app/manifests/v1"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        h(&r, "docker-content-digest"),
+        d1,
+        "the tag still points to the first push"
+    );
     // Other repositories' tags move.
     let n1 = image_manifest(&s, "dev/app", "1", "").await;
     let n2 = image_manifest(&s, "dev/app", "2", "").await;
-    assert_eq!(put_manifest(&s, "dev/app", "latest", OCI_MANIFEST, &n1).await.status(), 201);
+    assert_eq!(
+        put_manifest(&s, "dev/app", "latest", OCI_MANIFEST, &n1)
+            .await
+            .status(),
+        201
+    );
     let r = put_manifest(&s, "dev/app", "latest", OCI_MANIFEST, &n2).await;
     assert_eq!(r.status(), 201);
     let d2 = h(&r, "docker-content-digest").to_string();
-    let r = c.get(s.url("/v2/dev/app/manifests/latest")).send().await.unwrap();
+    let r = c
+        .get(s.url("/v2/dev/app/manifests/latest"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(h(&r, "docker-content-digest"), d2);
 }
 
@@ -446,17 +757,36 @@ async fn bad_requests_get_4xx_never_5xx() {
         ("GET", "/v2/UPPER/tags/list", 400, "NAME_INVALID"),
         ("GET", "/v2/a..b/manifests/latest", 400, "NAME_INVALID"),
         ("GET", "/v2/a/blobs/sha256:123", 400, "DIGEST_INVALID"),
-        ("GET", "/v2/a/blobs/sha1:da39a3ee5e6b4b0d3255bfef95601890afd80709", 400, "DIGEST_INVALID"),
+        (
+            "GET",
+            "/v2/a/blobs/sha1:da39a3ee5e6b4b0d3255bfef95601890afd80709",
+            400,
+            "DIGEST_INVALID",
+        ),
         ("GET", "/v2/a/manifests/sha256:zz", 400, "DIGEST_INVALID"),
         ("GET", "/v2/a/blobs/uploads/not-a-uuid!", 404, "NOT_FOUND"),
-        ("PATCH", "/v2/a/blobs/uploads/00000000-0000-0000-0000-000000000000", 404, "BLOB_UPLOAD_UNKNOWN"),
+        (
+            "PATCH",
+            "/v2/a/blobs/uploads/00000000-0000-0000-0000-000000000000",
+            404,
+            "BLOB_UPLOAD_UNKNOWN",
+        ),
         ("GET", "/v2/a/unknown/thing", 404, "NOT_FOUND"),
         ("POST", "/v2/a/manifests/latest", 405, "UNSUPPORTED"),
         ("GET", "/v3/", 404, "NOT_FOUND"),
-        ("GET", "/v2/a/blobs/uploads/../../../etc/passwd", 404, "NOT_FOUND"),
+        (
+            "GET",
+            "/v2/a/blobs/uploads/../../../etc/passwd",
+            404,
+            "NOT_FOUND",
+        ),
     ];
     for (method, path, status, code) in cases {
-        let r = c.request(method.parse().unwrap(), s.url(path)).send().await.unwrap();
+        let r = c
+            .request(method.parse().unwrap(), s.url(path))
+            .send()
+            .await
+            .unwrap();
         assert_eq!(r.status().as_u16(), *status, "{method} {path}");
         assert_eq!(error_code(r).await, *code, "{method} {path}");
     }
@@ -466,8 +796,22 @@ async fn bad_requests_get_4xx_never_5xx() {
 async fn metrics_count_requests_bytes_and_uploads() {
     let s = Server::start(&[]);
     let d = push_blob(&s, "met/x", &[7u8; 1000]).await;
-    client().get(s.url(&format!("/v2/met/x/blobs/{d}"))).send().await.unwrap().bytes().await.unwrap();
-    let text = client().get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    client()
+        .get(s.url(&format!("/v2/met/x/blobs/{d}")))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let text = client()
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     for want in [
         r#"amber_http_requests_total{route="upload_start",method="POST",status="201"} 1"#,
         r#"amber_http_requests_total{route="blob",method="GET",status="200"} 1"#,

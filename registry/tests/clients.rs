@@ -12,7 +12,10 @@ use std::process::Command;
 use common::*;
 
 fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// The busybox root file system tar the fixture images build on.
@@ -23,8 +26,9 @@ fn base_rootfs(dir: &Path) -> PathBuf {
 }
 
 fn docker(args: &[&str]) -> String {
-    let host = std::env::var("AMBER_TEST_DOCKER_HOST")
-        .expect("AMBER_TEST_DOCKER_HOST is not set: scripts/test starts a Docker engine and sets it");
+    let host = std::env::var("AMBER_TEST_DOCKER_HOST").expect(
+        "AMBER_TEST_DOCKER_HOST is not set: scripts/test starts a Docker engine and sets it",
+    );
     require_tool("docker");
     run(Command::new("docker").arg("-H").arg(host).args(args))
 }
@@ -36,7 +40,13 @@ async fn docker_build_push_pull_run_round_trip() {
     let base = base_rootfs(tmp.path());
     docker(&["import", base.to_str().unwrap(), "amber-test/busybox:1"]);
     let image = format!("{}/test/hello:v1", s.addr);
-    docker(&["build", "-q", "-t", &image, repo_root().join("fixtures/images/hello").to_str().unwrap()]);
+    docker(&[
+        "build",
+        "-q",
+        "-t",
+        &image,
+        repo_root().join("fixtures/images/hello").to_str().unwrap(),
+    ]);
     let push = docker(&["push", &image]);
     let pushed = push
         .lines()
@@ -52,11 +62,17 @@ async fn docker_build_push_pull_run_round_trip() {
     // The tag resolves to what docker printed, with docker's media type.
     let r = client()
         .head(s.url("/v2/test/hello/manifests/v1"))
-        .header("Accept", "application/vnd.docker.distribution.manifest.v2+json")
+        .header(
+            "Accept",
+            "application/vnd.docker.distribution.manifest.v2+json",
+        )
         .send()
         .await
         .unwrap();
-    assert_eq!(r.headers()["docker-content-digest"].to_str().unwrap(), pushed);
+    assert_eq!(
+        r.headers()["docker-content-digest"].to_str().unwrap(),
+        pushed
+    );
     docker(&["rmi", &image]);
 }
 
@@ -88,20 +104,34 @@ impl Containers {
 
     fn cmd(&self, tool: &str) -> Command {
         let mut c = Command::new(require_tool(tool));
-        c.env("CONTAINERS_REGISTRIES_CONF", self.dir.path().join("registries.conf"))
-            .env("CONTAINERS_STORAGE_CONF", self.dir.path().join("storage.conf"))
-            .env("TMPDIR", self.dir.path());
+        c.env(
+            "CONTAINERS_REGISTRIES_CONF",
+            self.dir.path().join("registries.conf"),
+        )
+        .env(
+            "CONTAINERS_STORAGE_CONF",
+            self.dir.path().join("storage.conf"),
+        )
+        .env("TMPDIR", self.dir.path());
         c
     }
 
     /// Commits a busybox image for `arch` with `/arch` holding its name.
     fn base_image(&self, rootfs: &Path, arch: &str, name: &str) {
-        let c = run(self.cmd("buildah").args(["from", "scratch"])).trim().to_string();
+        let c = run(self.cmd("buildah").args(["from", "scratch"]))
+            .trim()
+            .to_string();
         run(self.cmd("buildah").args(["add", &c]).arg(rootfs).arg("/"));
         let marker = self.dir.path().join(format!("arch-{arch}"));
         std::fs::write(&marker, arch).unwrap();
-        run(self.cmd("buildah").args(["add", &c]).arg(&marker).arg("/arch"));
-        run(self.cmd("buildah").args(["config", "--arch", arch, "--os", "linux", &c]));
+        run(self
+            .cmd("buildah")
+            .args(["add", &c])
+            .arg(&marker)
+            .arg("/arch"));
+        run(self
+            .cmd("buildah")
+            .args(["config", "--arch", arch, "--os", "linux", &c]));
         run(self.cmd("buildah").args(["commit", "-q", &c, name]));
         run(self.cmd("buildah").args(["rm", &c]));
     }
@@ -121,13 +151,24 @@ async fn buildah_push_podman_pull_round_trip() {
     )
     .unwrap();
     let image = format!("{}/test/buildah:v1", s.addr);
-    run(ct.cmd("buildah").args(["bud", "--isolation", "chroot", "-q", "-t", &image]).arg(&ctx));
+    run(ct
+        .cmd("buildah")
+        .args(["bud", "--isolation", "chroot", "-q", "-t", &image])
+        .arg(&ctx));
     run(ct.cmd("buildah").args(["push", &image]));
     run(ct.cmd("podman").args(["rmi", "-f", &image]));
     run(ct.cmd("podman").args(["pull", "-q", &image]));
     // This machine's runc may not raise rlimits: pin them to values it can set.
     let out = run(ct.cmd("podman").args([
-        "run", "--rm", "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024", &image,
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "--ulimit",
+        "nofile=1024:1024",
+        "--ulimit",
+        "nproc=1024:1024",
+        &image,
     ]));
     assert_eq!(out, "built by buildah, amd64\n");
 }
@@ -140,19 +181,49 @@ async fn skopeo_copy_all_of_a_multi_arch_index_in_oci_and_docker_formats() {
     for arch in ["amd64", "arm64"] {
         ct.base_image(&rootfs, arch, &format!("amber-test/multi-{arch}"));
     }
-    run(ct.cmd("buildah").args(["manifest", "create", "amber-test/multi"]));
+    run(ct
+        .cmd("buildah")
+        .args(["manifest", "create", "amber-test/multi"]));
     for arch in ["amd64", "arm64"] {
-        run(ct.cmd("buildah").args(["manifest", "add", "amber-test/multi", &format!("containers-storage:localhost/amber-test/multi-{arch}")]));
+        run(ct.cmd("buildah").args([
+            "manifest",
+            "add",
+            "amber-test/multi",
+            &format!("containers-storage:localhost/amber-test/multi-{arch}"),
+        ]));
     }
     let layout = ct.dir.path().join("layout");
     let src = format!("oci:{}:multi", layout.display());
-    run(ct.cmd("buildah").args(["manifest", "push", "-q", "--all", "--format", "oci", "amber-test/multi", &src]));
-    let index: serde_json::Value = serde_json::from_slice(&std::fs::read(layout.join("index.json")).unwrap()).unwrap();
-    let source_digest = index["manifests"][0]["digest"].as_str().unwrap().to_string();
+    run(ct.cmd("buildah").args([
+        "manifest",
+        "push",
+        "-q",
+        "--all",
+        "--format",
+        "oci",
+        "amber-test/multi",
+        &src,
+    ]));
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(layout.join("index.json")).unwrap()).unwrap();
+    let source_digest = index["manifests"][0]["digest"]
+        .as_str()
+        .unwrap()
+        .to_string();
 
     for (tag, format, index_type, child_type) in [
-        ("oci", None, "application/vnd.oci.image.index.v1+json", "application/vnd.oci.image.manifest.v1+json"),
-        ("v2s2", Some("v2s2"), "application/vnd.docker.distribution.manifest.list.v2+json", "application/vnd.docker.distribution.manifest.v2+json"),
+        (
+            "oci",
+            None,
+            "application/vnd.oci.image.index.v1+json",
+            "application/vnd.oci.image.manifest.v1+json",
+        ),
+        (
+            "v2s2",
+            Some("v2s2"),
+            "application/vnd.docker.distribution.manifest.list.v2+json",
+            "application/vnd.docker.distribution.manifest.v2+json",
+        ),
     ] {
         let dest = format!("docker://{}/test/multi:{tag}", s.addr);
         let mut copy = ct.cmd("skopeo");
@@ -161,29 +232,58 @@ async fn skopeo_copy_all_of_a_multi_arch_index_in_oci_and_docker_formats() {
             copy.args(["--format", f]);
         }
         run(copy.arg(&src).arg(&dest));
-        let raw = run(ct.cmd("skopeo").args(["inspect", "--raw", "--tls-verify=false", &dest]));
+        let raw = run(ct
+            .cmd("skopeo")
+            .args(["inspect", "--raw", "--tls-verify=false", &dest]));
         let v: serde_json::Value = serde_json::from_str(&raw).unwrap();
         assert_eq!(v["mediaType"], index_type, "{raw}");
         let children = v["manifests"].as_array().unwrap();
         assert_eq!(children.len(), 2);
-        let archs: Vec<&str> = children.iter().map(|c| c["platform"]["architecture"].as_str().unwrap()).collect();
+        let archs: Vec<&str> = children
+            .iter()
+            .map(|c| c["platform"]["architecture"].as_str().unwrap())
+            .collect();
         assert_eq!(archs, ["amd64", "arm64"]);
         assert!(children.iter().all(|c| c["mediaType"] == child_type));
         if format.is_none() {
-            assert_eq!(sha256(raw.as_bytes()), source_digest, "the OCI index is stored byte for byte");
+            assert_eq!(
+                sha256(raw.as_bytes()),
+                source_digest,
+                "the OCI index is stored byte for byte"
+            );
         }
         // Copy the whole index back out and read each architecture's marker file.
         let back = ct.dir.path().join(format!("back-{tag}"));
-        run(ct.cmd("skopeo").args(["copy", "-q", "--all", "--src-tls-verify=false", &dest]).arg(format!("oci:{}:x", back.display())));
+        run(ct
+            .cmd("skopeo")
+            .args(["copy", "-q", "--all", "--src-tls-verify=false", &dest])
+            .arg(format!("oci:{}:x", back.display())));
         for arch in ["amd64", "arm64"] {
             let one = ct.dir.path().join(format!("one-{tag}-{arch}"));
-            run(ct.cmd("skopeo")
-                .args(["copy", "-q", "--src-tls-verify=false", "--override-arch", arch, &dest])
+            run(ct
+                .cmd("skopeo")
+                .args([
+                    "copy",
+                    "-q",
+                    "--src-tls-verify=false",
+                    "--override-arch",
+                    arch,
+                    &dest,
+                ])
                 .arg(format!("dir:{}", one.display())));
-            let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(one.join("manifest.json")).unwrap()).unwrap();
+            let manifest: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(one.join("manifest.json")).unwrap()).unwrap();
             let layers = manifest["layers"].as_array().unwrap();
-            let top = layers.last().unwrap()["digest"].as_str().unwrap().strip_prefix("sha256:").unwrap().to_string();
-            let listing = run(Command::new("tar").arg("-xzOf").arg(one.join(&top)).arg("arch"));
+            let top = layers.last().unwrap()["digest"]
+                .as_str()
+                .unwrap()
+                .strip_prefix("sha256:")
+                .unwrap()
+                .to_string();
+            let listing = run(Command::new("tar")
+                .arg("-xzOf")
+                .arg(one.join(&top))
+                .arg("arch"));
             assert_eq!(listing, arch);
         }
     }
@@ -194,7 +294,14 @@ async fn oras_artifact_with_a_subject_is_listed_as_a_referrer() {
     let s = Server::start(&[]);
     require_tool("python3");
     let m = image_manifest(&s, "test/art", "subject", "").await;
-    let r = put_manifest(&s, "test/art", "v1", "application/vnd.oci.image.manifest.v1+json", &m).await;
+    let r = put_manifest(
+        &s,
+        "test/art",
+        "v1",
+        "application/vnd.oci.image.manifest.v1+json",
+        &m,
+    )
+    .await;
     assert_eq!(r.status(), 201);
     let subject = sha256(m.as_bytes());
     let tmp = tempfile::tempdir().unwrap();
@@ -206,7 +313,10 @@ async fn oras_artifact_with_a_subject_is_listed_as_a_referrer() {
         .arg(&file)
         .arg(tmp.path().join("out")));
     assert!(out.contains(&format!("subject {subject}")), "{out}");
-    assert_eq!(std::fs::read_to_string(tmp.path().join("out/sbom.json")).unwrap(), "{\"spdxVersion\":\"SPDX-2.3\"}");
+    assert_eq!(
+        std::fs::read_to_string(tmp.path().join("out/sbom.json")).unwrap(),
+        "{\"spdxVersion\":\"SPDX-2.3\"}"
+    );
     let artifact = out.split_whitespace().nth(1).unwrap().to_string();
     let v: serde_json::Value = client()
         .get(s.url(&format!("/v2/test/art/referrers/{subject}")))
@@ -216,6 +326,11 @@ async fn oras_artifact_with_a_subject_is_listed_as_a_referrer() {
         .json()
         .await
         .unwrap();
-    let listed: Vec<&str> = v["manifests"].as_array().unwrap().iter().map(|m| m["digest"].as_str().unwrap()).collect();
+    let listed: Vec<&str> = v["manifests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["digest"].as_str().unwrap())
+        .collect();
     assert_eq!(listed, [artifact.as_str()]);
 }

@@ -34,7 +34,14 @@ fn digest_of_blocks(seed: u64, n: u64) -> String {
 }
 
 async fn bytes_in(s: &Server) -> u64 {
-    let text = client().get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let text = client()
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
     text.lines()
         .find_map(|l| l.strip_prefix("amber_http_body_bytes_in_total "))
         .map(|v| v.trim().parse::<f64>().unwrap() as u64)
@@ -65,11 +72,24 @@ async fn sixteen_concurrent_pushes_of_one_blob_leave_one_intact_blob() {
         let (s, digest) = (&s, digest.clone());
         async move {
             let c = client();
-            let r = c.post(s.url("/v2/conc/blob/blobs/uploads/")).send().await.unwrap();
+            let r = c
+                .post(s.url("/v2/conc/blob/blobs/uploads/"))
+                .send()
+                .await
+                .unwrap();
             let loc = header(&r, "location");
-            let r = c.patch(s.url(&loc)).body(reqwest::Body::wrap_stream(blocks(16, 4))).send().await.unwrap();
+            let r = c
+                .patch(s.url(&loc))
+                .body(reqwest::Body::wrap_stream(blocks(16, 4)))
+                .send()
+                .await
+                .unwrap();
             assert_eq!(r.status(), 202);
-            c.put(s.url(&format!("{loc}?digest={digest}"))).send().await.unwrap().status()
+            c.put(s.url(&format!("{loc}?digest={digest}")))
+                .send()
+                .await
+                .unwrap()
+                .status()
         }
     });
     for status in futures_util::future::join_all(pushes).await {
@@ -85,9 +105,18 @@ async fn sixteen_concurrent_pushes_of_one_blob_leave_one_intact_blob() {
         .unwrap();
     assert_eq!(sha256(&body), digest);
     let hex = digest.strip_prefix("sha256:").unwrap();
-    let stored: Vec<_> = walk(&s.data.join("store/blobs")).into_iter().filter(|p| p.ends_with(hex)).collect();
+    let stored: Vec<_> = walk(&s.data.join("store/blobs"))
+        .into_iter()
+        .filter(|p| p.ends_with(hex))
+        .collect();
     assert_eq!(stored.len(), 1, "one stored object");
-    assert_eq!(std::fs::read_dir(s.data.join("store/_staging")).unwrap().count(), 0, "no staged leftovers");
+    assert_eq!(
+        std::fs::read_dir(s.data.join("store/_staging"))
+            .unwrap()
+            .count(),
+        0,
+        "no staged leftovers"
+    );
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
@@ -109,15 +138,32 @@ async fn a_1gib_blob_is_pushed_and_pulled_in_bounded_memory() {
     let n = 1024; // 1 MiB blocks
     let digest = digest_of_blocks(1, n);
     let c = client();
-    let r = c.post(s.url("/v2/big/blob/blobs/uploads/")).send().await.unwrap();
+    let r = c
+        .post(s.url("/v2/big/blob/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
     let loc = header(&r, "location");
-    let r = c.patch(s.url(&loc)).body(reqwest::Body::wrap_stream(blocks(1, n))).send().await.unwrap();
+    let r = c
+        .patch(s.url(&loc))
+        .body(reqwest::Body::wrap_stream(blocks(1, n)))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 202);
     assert_eq!(header(&r, "range"), format!("0-{}", (n << 20) - 1));
-    let r = c.put(s.url(&format!("{loc}?digest={digest}"))).send().await.unwrap();
+    let r = c
+        .put(s.url(&format!("{loc}?digest={digest}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 201);
 
-    let r = c.get(s.url(&format!("/v2/big/blob/blobs/{digest}"))).send().await.unwrap();
+    let r = c
+        .get(s.url(&format!("/v2/big/blob/blobs/{digest}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let mut h = sha2::Sha256::new();
     let mut len = 0u64;
@@ -130,7 +176,10 @@ async fn a_1gib_blob_is_pushed_and_pulled_in_bounded_memory() {
     assert_eq!(len, n << 20);
     assert_eq!(format!("sha256:{}", hex::encode(h.finalize())), digest);
     let peak = s.peak_rss_kib();
-    assert!(peak < 100 * 1024, "registry peak RSS was {peak} KiB for a 1 GiB blob");
+    assert!(
+        peak < 100 * 1024,
+        "registry peak RSS was {peak} KiB for a 1 GiB blob"
+    );
     eprintln!("registry peak RSS for a 1 GiB push + pull: {peak} KiB");
 }
 
@@ -142,18 +191,39 @@ async fn sigkill_mid_upload_keeps_completed_pushes_and_shows_no_partial_blob() {
 
     // Completed before the crash: a blob and a tagged manifest.
     let m = image_manifest(&s, "crash/x", "done", "").await;
-    let r = put_manifest(&s, "crash/x", "v1", "application/vnd.oci.image.manifest.v1+json", &m).await;
+    let r = put_manifest(
+        &s,
+        "crash/x",
+        "v1",
+        "application/vnd.oci.image.manifest.v1+json",
+        &m,
+    )
+    .await;
     assert_eq!(r.status(), 201);
     let done = push_blob(&s, "crash/x", &block(7, 0)).await;
 
     // Session 1: one acknowledged 1 MiB chunk, then a second chunk cut off mid-stream.
     let full1: Vec<u8> = [block(9, 0), block(9, 1)].concat();
-    let r = c.post(s.url("/v2/crash/x/blobs/uploads/")).send().await.unwrap();
+    let r = c
+        .post(s.url("/v2/crash/x/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
     let loc1 = header(&r, "location");
-    let r = c.patch(s.url(&loc1)).header("Content-Range", format!("0-{}", (1 << 20) - 1)).body(block(9, 0)).send().await.unwrap();
+    let r = c
+        .patch(s.url(&loc1))
+        .header("Content-Range", format!("0-{}", (1 << 20) - 1))
+        .body(block(9, 0))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 202);
     // Session 2: nothing acknowledged, cut off mid-stream.
-    let r = c.post(s.url("/v2/crash/x/blobs/uploads/")).send().await.unwrap();
+    let r = c
+        .post(s.url("/v2/crash/x/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
     let loc2 = header(&r, "location");
     let before = bytes_in(&s).await;
 
@@ -162,38 +232,93 @@ async fn sigkill_mid_upload_keeps_completed_pushes_and_shows_no_partial_blob() {
         stream::iter([Ok::<_, std::io::Error>(first)]).chain(stream::pending())
     };
     let (u1, u2) = (s.url(&loc1), s.url(&loc2));
-    let t1 = tokio::spawn(async move { client().patch(u1).body(reqwest::Body::wrap_stream(half(9, 1))).send().await });
-    let t2 = tokio::spawn(async move { client().patch(u2).body(reqwest::Body::wrap_stream(half(11, 0))).send().await });
+    let t1 = tokio::spawn(async move {
+        client()
+            .patch(u1)
+            .body(reqwest::Body::wrap_stream(half(9, 1)))
+            .send()
+            .await
+    });
+    let t2 = tokio::spawn(async move {
+        client()
+            .patch(u2)
+            .body(reqwest::Body::wrap_stream(half(11, 0)))
+            .send()
+            .await
+    });
     wait_bytes_in(&s, before + 1024 * 1024).await;
     s.kill9();
-    assert!(t1.await.unwrap().is_err() && t2.await.unwrap().is_err(), "interrupted requests fail");
+    assert!(
+        t1.await.unwrap().is_err() && t2.await.unwrap().is_err(),
+        "interrupted requests fail"
+    );
 
     let s = Server::start_in(tmp.path(), &[]);
     // Every completed push is intact.
-    let r = c.get(s.url("/v2/crash/x/manifests/v1")).send().await.unwrap();
+    let r = c
+        .get(s.url("/v2/crash/x/manifests/v1"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.text().await.unwrap(), m);
-    let body = c.get(s.url(&format!("/v2/crash/x/blobs/{done}"))).send().await.unwrap().bytes().await.unwrap();
+    let body = c
+        .get(s.url(&format!("/v2/crash/x/blobs/{done}")))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
     assert_eq!(sha256(&body), done);
     // No partial blob is visible.
     let d1 = sha256(&full1);
     let d2 = sha256(&block(11, 0));
     for d in [&d1, &d2] {
-        assert_eq!(c.head(s.url(&format!("/v2/crash/x/blobs/{d}"))).send().await.unwrap().status(), 404);
+        assert_eq!(
+            c.head(s.url(&format!("/v2/crash/x/blobs/{d}")))
+                .send()
+                .await
+                .unwrap()
+                .status(),
+            404
+        );
     }
     // Interrupted sessions resume from what was acknowledged.
     let r = c.get(s.url(&loc1)).send().await.unwrap();
     assert_eq!(r.status(), 204);
     assert_eq!(header(&r, "range"), format!("0-{}", (1 << 20) - 1));
-    let r = c.patch(s.url(&loc1)).header("Content-Range", format!("{}-{}", 1 << 20, (2 << 20) - 1)).body(block(9, 1)).send().await.unwrap();
+    let r = c
+        .patch(s.url(&loc1))
+        .header("Content-Range", format!("{}-{}", 1 << 20, (2 << 20) - 1))
+        .body(block(9, 1))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 202);
-    let r = c.put(s.url(&format!("{loc1}?digest={d1}"))).send().await.unwrap();
+    let r = c
+        .put(s.url(&format!("{loc1}?digest={d1}")))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
     let r = c.get(s.url(&loc2)).send().await.unwrap();
     assert_eq!(r.status(), 204);
     assert_eq!(header(&r, "range"), "0-0");
-    let r = c.put(s.url(&format!("{loc2}?digest={d2}"))).body(block(11, 0)).send().await.unwrap();
+    let r = c
+        .put(s.url(&format!("{loc2}?digest={d2}")))
+        .body(block(11, 0))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 201);
-    let body = c.get(s.url(&format!("/v2/crash/x/blobs/{d1}"))).send().await.unwrap().bytes().await.unwrap();
+    let body = c
+        .get(s.url(&format!("/v2/crash/x/blobs/{d1}")))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
     assert_eq!(body.len(), 2 << 20);
     assert_eq!(sha256(&body), d1);
     drop(s);
@@ -205,7 +330,11 @@ async fn sigkill_mid_upload_keeps_completed_pushes_and_shows_no_partial_blob() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "fsck: {stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "fsck: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains(", 0 problems"), "{stdout}");
 }
 
@@ -216,7 +345,9 @@ async fn fsck_reports_a_corrupted_object() {
     let d = push_blob(&s, "fsck/x", b"precious bytes").await;
     drop(s);
     let hex = d.strip_prefix("sha256:").unwrap();
-    let path = tmp.path().join(format!("store/blobs/sha256/{}/{hex}", &hex[..2]));
+    let path = tmp
+        .path()
+        .join(format!("store/blobs/sha256/{}/{hex}", &hex[..2]));
     std::fs::write(&path, b"precious bytez").unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_amber-registry"))
         .args(["fsck", "--data"])
@@ -225,6 +356,12 @@ async fn fsck_reports_a_corrupted_object() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success());
-    assert!(stdout.contains(&format!("object blobs/sha256/{}/{hex} is corrupt", &hex[..2])), "{stdout}");
+    assert!(
+        stdout.contains(&format!(
+            "object blobs/sha256/{}/{hex} is corrupt",
+            &hex[..2]
+        )),
+        "{stdout}"
+    );
     assert!(stdout.contains("1 problems"), "{stdout}");
 }

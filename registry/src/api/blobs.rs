@@ -12,7 +12,10 @@ use crate::store::ObjectKey;
 /// A byte range request against an object of `size` bytes, resolved to `start..end`.
 /// `None` for no (or an ignorable multi-range) header; an error for unsatisfiable or
 /// malformed ranges.
-pub fn parse_range(header: Option<&str>, size: u64) -> Result<Option<std::ops::Range<u64>>, String> {
+pub fn parse_range(
+    header: Option<&str>,
+    size: u64,
+) -> Result<Option<std::ops::Range<u64>>, String> {
     let Some(h) = header else { return Ok(None) };
     let spec = h
         .trim()
@@ -25,7 +28,11 @@ pub fn parse_range(header: Option<&str>, size: u64) -> Result<Option<std::ops::R
     let (a, b) = spec
         .split_once('-')
         .ok_or_else(|| format!("Range {h:?} is malformed"))?;
-    let num = |s: &str| s.trim().parse::<u64>().map_err(|_| format!("Range {h:?} is malformed"));
+    let num = |s: &str| {
+        s.trim()
+            .parse::<u64>()
+            .map_err(|_| format!("Range {h:?} is malformed"))
+    };
     let r = match (a.trim().is_empty(), b.trim().is_empty()) {
         (true, true) => return Err(format!("Range {h:?} is malformed")),
         (true, false) => {
@@ -45,12 +52,20 @@ pub fn parse_range(header: Option<&str>, size: u64) -> Result<Option<std::ops::R
         }
     };
     if r.start >= size {
-        return Err(format!("Range {h:?} starts past the end of a {size}-byte blob"));
+        return Err(format!(
+            "Range {h:?} starts past the end of a {size}-byte blob"
+        ));
     }
     Ok(Some(r))
 }
 
-pub async fn get(reg: &AppState, name: RepoName, digest: Digest, headers: &HeaderMap, head: bool) -> ApiResult<Response> {
+pub async fn get(
+    reg: &AppState,
+    name: RepoName,
+    digest: Digest,
+    headers: &HeaderMap,
+    head: bool,
+) -> ApiResult<Response> {
     let size = reg
         .index
         .repo_blob(&name, &digest)?
@@ -82,7 +97,10 @@ pub async fn get(reg: &AppState, name: RepoName, digest: Digest, headers: &Heade
     } else {
         counted_body(reg.store.read(&ObjectKey::blob(&digest), r).await?)
     };
-    Ok(builder.body(body).map_err(|e| ApiError::internal("response", e))?.into_response())
+    Ok(builder
+        .body(body)
+        .map_err(|e| ApiError::internal("response", e))?
+        .into_response())
 }
 
 #[cfg(test)]
@@ -98,7 +116,15 @@ mod tests {
         assert_eq!(parse_range(Some("bytes=-30"), 10), Ok(Some(0..10)));
         assert_eq!(parse_range(Some("bytes=8-100"), 10), Ok(Some(8..10)));
         assert_eq!(parse_range(Some("bytes=0-1,3-4"), 10), Ok(None));
-        for bad in ["bytes=10-", "bytes=20-30", "bytes=5-2", "bytes=-0", "bytes=-", "items=0-1", "bytes=a-b"] {
+        for bad in [
+            "bytes=10-",
+            "bytes=20-30",
+            "bytes=5-2",
+            "bytes=-0",
+            "bytes=-",
+            "items=0-1",
+            "bytes=a-b",
+        ] {
             assert!(parse_range(Some(bad), 10).is_err(), "{bad}");
         }
         assert!(parse_range(Some("bytes=0-0"), 0).is_err());

@@ -22,7 +22,13 @@ fn page_params(req: &Request) -> ApiResult<(Option<String>, usize)> {
         None => DEFAULT_PAGE,
         Some(v) => v
             .parse::<usize>()
-            .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "PAGINATION_NUMBER_INVALID", format!("n={v:?} is not a number")))?
+            .map_err(|_| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "PAGINATION_NUMBER_INVALID",
+                    format!("n={v:?} is not a number"),
+                )
+            })?
             .min(MAX_PAGE),
     };
     Ok((param(&q, "last").map(str::to_string), n))
@@ -31,7 +37,8 @@ fn page_params(req: &Request) -> ApiResult<(Option<String>, usize)> {
 fn paged(path: &str, body: Value, items: &[String], more: bool, n: usize) -> Response {
     let mut resp = (StatusCode::OK, axum::Json(body)).into_response();
     if let (true, Some(last)) = (more, items.last()) {
-        let q = serde_urlencoded::to_string([("n", n.to_string()), ("last", last.clone())]).expect("encodes");
+        let q = serde_urlencoded::to_string([("n", n.to_string()), ("last", last.clone())])
+            .expect("encodes");
         if let Ok(v) = format!("<{path}?{q}>; rel=\"next\"").parse() {
             resp.headers_mut().insert(header::LINK, v);
         }
@@ -46,7 +53,13 @@ pub async fn tags(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Res
     }
     let (tags, more) = reg.index.tags(&name, last.as_deref(), n)?;
     let body = json!({"name": name.as_str(), "tags": tags});
-    Ok(paged(&format!("/v2/{name}/tags/list"), body, &tags, more, n))
+    Ok(paged(
+        &format!("/v2/{name}/tags/list"),
+        body,
+        &tags,
+        more,
+        n,
+    ))
 }
 
 pub async fn catalog(reg: &AppState, req: Request) -> ApiResult<Response> {
@@ -56,7 +69,12 @@ pub async fn catalog(reg: &AppState, req: Request) -> ApiResult<Response> {
     Ok(paged("/v2/_catalog", body, &repos, more, n))
 }
 
-pub async fn referrers(reg: &AppState, name: RepoName, subject: Digest, req: Request) -> ApiResult<Response> {
+pub async fn referrers(
+    reg: &AppState,
+    name: RepoName,
+    subject: Digest,
+    req: Request,
+) -> ApiResult<Response> {
     let q = query(&req);
     let filter = param(&q, "artifactType");
     let mut manifests = reg.index.referrers(&name, &subject)?;
@@ -64,9 +82,17 @@ pub async fn referrers(reg: &AppState, name: RepoName, subject: Digest, req: Req
         manifests.retain(|d| d.get("artifactType").and_then(Value::as_str) == Some(f));
     }
     let body = json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": manifests});
-    let mut resp = (StatusCode::OK, [(header::CONTENT_TYPE, OCI_INDEX)], body.to_string()).into_response();
+    let mut resp = (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, OCI_INDEX)],
+        body.to_string(),
+    )
+        .into_response();
     if filter.is_some() {
-        resp.headers_mut().insert("OCI-Filters-Applied", "artifactType".parse().expect("literal"));
+        resp.headers_mut().insert(
+            "OCI-Filters-Applied",
+            "artifactType".parse().expect("literal"),
+        );
     }
     Ok(resp)
 }

@@ -62,7 +62,9 @@ fn descriptor(v: &Value, what: &str) -> ApiResult<Descriptor> {
         .get("size")
         .and_then(Value::as_u64)
         .ok_or_else(|| bad("size missing or not a non-negative integer"))?;
-    let has_urls = o.get("urls").is_some_and(|u| u.as_array().is_some_and(|a| !a.is_empty()));
+    let has_urls = o
+        .get("urls")
+        .is_some_and(|u| u.as_array().is_some_and(|a| !a.is_empty()));
     Ok(Descriptor {
         media_type,
         digest,
@@ -123,10 +125,16 @@ pub fn parse_manifest(bytes: &[u8], content_type: Option<&str>) -> ApiResult<Par
     let kind = kind_of(&media_type).ok_or_else(|| {
         ApiError::manifest_invalid(format!("unsupported manifest media type {media_type:?}"))
     })?;
-    let subject = o.get("subject").map(|s| descriptor(s, "subject")).transpose()?;
+    let subject = o
+        .get("subject")
+        .map(|s| descriptor(s, "subject"))
+        .transpose()?;
     let mut blobs = Vec::new();
     let mut children = Vec::new();
-    let mut artifact_type = o.get("artifactType").and_then(Value::as_str).map(str::to_string);
+    let mut artifact_type = o
+        .get("artifactType")
+        .and_then(Value::as_str)
+        .map(str::to_string);
     match kind {
         ManifestKind::Image => {
             let config = descriptor(o.get("config").unwrap_or(&Value::Null), "config")?;
@@ -192,7 +200,10 @@ pub async fn get(reg: &AppState, name: RepoName, r: Reference, head: bool) -> Ap
         metrics::counter!(crate::metrics::BYTES_OUT).increment(bytes.len() as u64);
         axum::body::Body::from(bytes)
     };
-    Ok(builder.body(body).map_err(|e| ApiError::internal("response", e))?.into_response())
+    Ok(builder
+        .body(body)
+        .map_err(|e| ApiError::internal("response", e))?
+        .into_response())
 }
 
 /// Reads a request body of at most `limit` bytes.
@@ -200,7 +211,8 @@ async fn read_limited(req: Request, limit: usize) -> ApiResult<bytes::Bytes> {
     let mut body = req.into_body().into_data_stream();
     let mut buf = bytes::BytesMut::new();
     while let Some(chunk) = body.next().await {
-        let chunk = chunk.map_err(|e| ApiError::manifest_invalid(format!("reading manifest body: {e}")))?;
+        let chunk =
+            chunk.map_err(|e| ApiError::manifest_invalid(format!("reading manifest body: {e}")))?;
         if buf.len() + chunk.len() > limit {
             return Err(ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -214,7 +226,12 @@ async fn read_limited(req: Request, limit: usize) -> ApiResult<bytes::Bytes> {
     Ok(buf.freeze())
 }
 
-pub async fn put(reg: &AppState, name: RepoName, r: Reference, req: Request) -> ApiResult<Response> {
+pub async fn put(
+    reg: &AppState,
+    name: RepoName,
+    r: Reference,
+    req: Request,
+) -> ApiResult<Response> {
     let content_type = header_str(req.headers(), header::CONTENT_TYPE).map(str::to_string);
     let bytes = read_limited(req, reg.config.max_manifest_bytes).await?;
     let parsed = parse_manifest(&bytes, content_type.as_deref())?;
@@ -240,13 +257,14 @@ pub async fn put(reg: &AppState, name: RepoName, r: Reference, req: Request) -> 
             }
             Some(_) => {}
             None if b.has_urls || non_distributable(&b.media_type) => {}
-            None => {
-                return Err(ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "MANIFEST_BLOB_UNKNOWN",
-                    format!("blob {} referenced by the manifest is not in repository {name}; push it first", b.digest),
-                ))
-            }
+            None => return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "MANIFEST_BLOB_UNKNOWN",
+                format!(
+                    "blob {} referenced by the manifest is not in repository {name}; push it first",
+                    b.digest
+                ),
+            )),
         }
     }
     for c in &parsed.children {
@@ -254,11 +272,16 @@ pub async fn put(reg: &AppState, name: RepoName, r: Reference, req: Request) -> 
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "MANIFEST_BLOB_UNKNOWN",
-                format!("manifest {} listed by the index is not in repository {name}; push it first", c.digest),
+                format!(
+                    "manifest {} listed by the index is not in repository {name}; push it first",
+                    c.digest
+                ),
             ));
         }
     }
-    reg.store.put(&ObjectKey::blob(&digest), bytes.clone()).await?;
+    reg.store
+        .put(&ObjectKey::blob(&digest), bytes.clone())
+        .await?;
     let tag = match &r {
         Reference::Tag(t) => Some(t),
         Reference::Digest(_) => None,
@@ -298,9 +321,21 @@ pub async fn put(reg: &AppState, name: RepoName, r: Reference, req: Request) -> 
     )
         .into_response();
     let h = resp.headers_mut();
-    h.insert("Docker-Content-Digest", digest.to_string().parse().expect("digest is a header value"));
+    h.insert(
+        "Docker-Content-Digest",
+        digest
+            .to_string()
+            .parse()
+            .expect("digest is a header value"),
+    );
     if let Some(s) = &parsed.subject {
-        h.insert("OCI-Subject", s.digest.to_string().parse().expect("digest is a header value"));
+        h.insert(
+            "OCI-Subject",
+            s.digest
+                .to_string()
+                .parse()
+                .expect("digest is a header value"),
+        );
     }
     Ok(resp)
 }
@@ -319,7 +354,9 @@ mod tests {
 
     #[test]
     fn parses_image_manifest_with_subject() {
-        let m = image(&format!(r#","subject":{{"mediaType":"{OCI_MANIFEST}","digest":"{D}","size":1}},"artifactType":"application/x-test""#));
+        let m = image(&format!(
+            r#","subject":{{"mediaType":"{OCI_MANIFEST}","digest":"{D}","size":1}},"artifactType":"application/x-test""#
+        ));
         let p = parse_manifest(m.as_bytes(), Some(OCI_MANIFEST)).unwrap();
         assert_eq!(p.kind, ManifestKind::Image);
         assert_eq!(p.blobs.len(), 2);
@@ -331,7 +368,10 @@ mod tests {
     fn media_type_from_field_when_header_is_generic() {
         let p = parse_manifest(image("").as_bytes(), Some("application/json")).unwrap();
         assert_eq!(p.media_type, OCI_MANIFEST);
-        assert_eq!(p.artifact_type.as_deref(), Some("application/vnd.oci.image.config.v1+json"));
+        assert_eq!(
+            p.artifact_type.as_deref(),
+            Some("application/vnd.oci.image.config.v1+json")
+        );
     }
 
     #[test]
@@ -339,18 +379,34 @@ mod tests {
         let cases: Vec<(String, Option<&str>, &str)> = vec![
             ("not json".into(), Some(OCI_MANIFEST), "not valid JSON"),
             ("[]".into(), Some(OCI_MANIFEST), "not a JSON object"),
-            (r#"{"schemaVersion":1}"#.into(), Some(OCI_MANIFEST), "schemaVersion"),
-            (image(""), Some(DOCKER_MANIFEST), "does not match"),
-            (r#"{"schemaVersion":2}"#.into(), Some("text/plain"), "unsupported manifest media type"),
-            (format!(r#"{{"schemaVersion":2,"mediaType":"{OCI_MANIFEST}","layers":[]}}"#), None, "config"),
             (
-                format!(r#"{{"schemaVersion":2,"mediaType":"{OCI_INDEX}","manifests":[{{"mediaType":"x","digest":"sha256:bad","size":1}}]}}"#),
+                r#"{"schemaVersion":1}"#.into(),
+                Some(OCI_MANIFEST),
+                "schemaVersion",
+            ),
+            (image(""), Some(DOCKER_MANIFEST), "does not match"),
+            (
+                r#"{"schemaVersion":2}"#.into(),
+                Some("text/plain"),
+                "unsupported manifest media type",
+            ),
+            (
+                format!(r#"{{"schemaVersion":2,"mediaType":"{OCI_MANIFEST}","layers":[]}}"#),
+                None,
+                "config",
+            ),
+            (
+                format!(
+                    r#"{{"schemaVersion":2,"mediaType":"{OCI_INDEX}","manifests":[{{"mediaType":"x","digest":"sha256:bad","size":1}}]}}"#
+                ),
                 None,
                 "manifests[0]",
             ),
         ];
         for (body, ct, want) in cases {
-            let err = parse_manifest(body.as_bytes(), ct).err().unwrap_or_else(|| panic!("{body} accepted"));
+            let err = parse_manifest(body.as_bytes(), ct)
+                .err()
+                .unwrap_or_else(|| panic!("{body} accepted"));
             assert_eq!(err.status, StatusCode::BAD_REQUEST);
             assert!(err.message.contains(want), "{body}: {}", err.message);
         }

@@ -35,7 +35,10 @@ fn accepted(name: &RepoName, id: &str, offset: u64, status: StatusCode) -> Respo
             (header::LOCATION, location(name, id)),
             (header::RANGE, range_value(offset)),
             (header::CONTENT_LENGTH, "0".to_string()),
-            (header::HeaderName::from_static("docker-upload-uuid"), id.to_string()),
+            (
+                header::HeaderName::from_static("docker-upload-uuid"),
+                id.to_string(),
+            ),
         ],
     )
         .into_response()
@@ -47,7 +50,10 @@ fn created(name: &RepoName, digest: &Digest) -> Response {
         [
             (header::LOCATION, format!("/v2/{name}/blobs/{digest}")),
             (header::CONTENT_LENGTH, "0".to_string()),
-            (header::HeaderName::from_static("docker-content-digest"), digest.to_string()),
+            (
+                header::HeaderName::from_static("docker-content-digest"),
+                digest.to_string(),
+            ),
         ],
     )
         .into_response()
@@ -55,7 +61,10 @@ fn created(name: &RepoName, digest: &Digest) -> Response {
 
 fn digest_param(q: &[(String, String)]) -> ApiResult<Option<Digest>> {
     param(q, "digest")
-        .map(|d| d.parse().map_err(|e: crate::digest::DigestError| ApiError::digest_invalid(e.to_string())))
+        .map(|d| {
+            d.parse()
+                .map_err(|e: crate::digest::DigestError| ApiError::digest_invalid(e.to_string()))
+        })
         .transpose()
 }
 
@@ -63,7 +72,10 @@ fn digest_param(q: &[(String, String)]) -> ApiResult<Option<Digest>> {
 /// `bytes ` prefix and a `/total` suffix. Returns the inclusive (start, end).
 pub fn parse_content_range(v: &str) -> Option<(u64, u64)> {
     let v = v.trim();
-    let v = v.strip_prefix("bytes=").or_else(|| v.strip_prefix("bytes ")).unwrap_or(v);
+    let v = v
+        .strip_prefix("bytes=")
+        .or_else(|| v.strip_prefix("bytes "))
+        .unwrap_or(v);
     let v = v.split_once('/').map(|(r, _)| r).unwrap_or(v);
     let (a, b) = v.split_once('-')?;
     let (a, b) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
@@ -85,7 +97,11 @@ pub async fn start(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Re
         }
         // Not mountable: fall back to a new session (202), as the spec allows.
     }
-    let digest = if param(&q, "mount").is_some() { None } else { digest_param(&q)? };
+    let digest = if param(&q, "mount").is_some() {
+        None
+    } else {
+        digest_param(&q)?
+    };
     let id = uuid::Uuid::new_v4().to_string();
     let now = now_unix();
     let mut session = UploadSession {
@@ -118,7 +134,12 @@ pub async fn status(reg: &AppState, name: RepoName, id: String) -> ApiResult<Res
     Ok(accepted(&name, &id, s.offset, StatusCode::NO_CONTENT))
 }
 
-pub async fn patch(reg: &AppState, name: RepoName, id: String, req: Request) -> ApiResult<Response> {
+pub async fn patch(
+    reg: &AppState,
+    name: RepoName,
+    id: String,
+    req: Request,
+) -> ApiResult<Response> {
     load(reg, &name, &id)?;
     let lock = reg.session_lock(&id);
     let mut state = lock.lock().await;
@@ -128,9 +149,17 @@ pub async fn patch(reg: &AppState, name: RepoName, id: String, req: Request) -> 
     Ok(accepted(&name, &id, s.offset, StatusCode::ACCEPTED))
 }
 
-pub async fn finish(reg: &AppState, name: RepoName, id: String, req: Request) -> ApiResult<Response> {
-    let digest = digest_param(&query(&req))?
-        .ok_or_else(|| ApiError::digest_invalid("completing an upload needs the blob's digest: PUT …?digest=<algorithm>:<hex>"))?;
+pub async fn finish(
+    reg: &AppState,
+    name: RepoName,
+    id: String,
+    req: Request,
+) -> ApiResult<Response> {
+    let digest = digest_param(&query(&req))?.ok_or_else(|| {
+        ApiError::digest_invalid(
+            "completing an upload needs the blob's digest: PUT …?digest=<algorithm>:<hex>",
+        )
+    })?;
     load(reg, &name, &id)?;
     let lock = reg.session_lock(&id);
     let mut state = lock.lock().await;
@@ -165,16 +194,23 @@ async fn append(
 ) -> ApiResult<()> {
     let headers: &HeaderMap = req.headers();
     let name = RepoName::parse(&s.repo)?;
-    let declared_len: Option<u64> = header_str(headers, header::CONTENT_LENGTH).and_then(|v| v.parse().ok());
+    let declared_len: Option<u64> =
+        header_str(headers, header::CONTENT_LENGTH).and_then(|v| v.parse().ok());
     let mut expect_len = None;
     if let Some(cr) = header_str(headers, header::CONTENT_RANGE) {
-        let (start, end) = parse_content_range(cr)
-            .ok_or_else(|| ApiError::upload_invalid(format!("Content-Range {cr:?} is malformed; expected <start>-<end>")))?;
+        let (start, end) = parse_content_range(cr).ok_or_else(|| {
+            ApiError::upload_invalid(format!(
+                "Content-Range {cr:?} is malformed; expected <start>-<end>"
+            ))
+        })?;
         if start != s.offset {
             return Err(ApiError::new(
                 StatusCode::RANGE_NOT_SATISFIABLE,
                 "BLOB_UPLOAD_INVALID",
-                format!("chunk starts at byte {start} but the upload has {} bytes; resume at {}", s.offset, s.offset),
+                format!(
+                    "chunk starts at byte {start} but the upload has {} bytes; resume at {}",
+                    s.offset, s.offset
+                ),
             )
             .with_header(header::RANGE, &range_value(s.offset))
             .with_header(header::LOCATION, &location(&name, id)));
@@ -256,7 +292,9 @@ async fn complete(
     digest: Digest,
 ) -> ApiResult<Response> {
     let actual = match state.take() {
-        Some(h) if h.hashed == s.offset && digest.algorithm() == Algorithm::Sha256 => h.hasher.finish(),
+        Some(h) if h.hashed == s.offset && digest.algorithm() == Algorithm::Sha256 => {
+            h.hasher.finish()
+        }
         _ => {
             let mut hasher = digest.algorithm().hasher();
             let mut stream = reg.store.read_staged(id).await?;
@@ -273,7 +311,9 @@ async fn complete(
             s.offset
         )));
     }
-    reg.store.publish_staged(id, &ObjectKey::blob(&digest)).await?;
+    reg.store
+        .publish_staged(id, &ObjectKey::blob(&digest))
+        .await?;
     reg.index.put_blob(name, &digest, s.offset)?;
     reg.index.delete_upload(id)?;
     reg.forget_session(id);

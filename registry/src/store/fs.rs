@@ -121,7 +121,10 @@ impl ObjectStore for FsStore {
         if tokio::fs::try_exists(&dst).await.unwrap_or(false) {
             return Ok(());
         }
-        let tmp = self.root.join("_tmp").join(uuid::Uuid::new_v4().to_string());
+        let tmp = self
+            .root
+            .join("_tmp")
+            .join(uuid::Uuid::new_v4().to_string());
         let tmp2 = tmp.clone();
         tokio::task::spawn_blocking(move || -> io::Result<()> {
             use std::io::Write;
@@ -152,7 +155,11 @@ impl ObjectStore for FsStore {
             .open(&path)
             .await
             .map_err(|e| not_found_or_io(what(), e))?;
-        let actual = file.metadata().await.map_err(|e| StoreError::io(what(), e))?.len();
+        let actual = file
+            .metadata()
+            .await
+            .map_err(|e| StoreError::io(what(), e))?
+            .len();
         if actual != offset {
             return Err(StoreError::OffsetMismatch {
                 id: id.to_string(),
@@ -164,12 +171,17 @@ impl ObjectStore for FsStore {
         let mut len = offset;
         while let Some(chunk) = body.next().await {
             let chunk = chunk.map_err(StoreError::Body)?;
-            w.write_all(&chunk).await.map_err(|e| StoreError::io(what(), e))?;
+            w.write_all(&chunk)
+                .await
+                .map_err(|e| StoreError::io(what(), e))?;
             observe(&chunk);
             len += chunk.len() as u64;
         }
         w.flush().await.map_err(|e| StoreError::io(what(), e))?;
-        w.get_ref().sync_data().await.map_err(|e| StoreError::io(what(), e))?;
+        w.get_ref()
+            .sync_data()
+            .await
+            .map_err(|e| StoreError::io(what(), e))?;
         Ok(len)
     }
 
@@ -187,8 +199,12 @@ impl ObjectStore for FsStore {
             .open(self.staged(id)?)
             .await
             .map_err(|e| not_found_or_io(format!("staged upload {id}"), e))?;
-        f.set_len(len).await.map_err(|e| StoreError::io(format!("staged upload {id}"), e))?;
-        f.sync_all().await.map_err(|e| StoreError::io(format!("staged upload {id}"), e))
+        f.set_len(len)
+            .await
+            .map_err(|e| StoreError::io(format!("staged upload {id}"), e))?;
+        f.sync_all()
+            .await
+            .map_err(|e| StoreError::io(format!("staged upload {id}"), e))
     }
 
     async fn read_staged(&self, id: &str) -> Result<ByteStream, StoreError> {
@@ -219,7 +235,11 @@ impl ObjectStore for FsStore {
         let mut rd = tokio::fs::read_dir(&dir)
             .await
             .map_err(|e| StoreError::io(dir.display().to_string(), e))?;
-        while let Some(e) = rd.next_entry().await.map_err(|e| StoreError::io("staging dir", e))? {
+        while let Some(e) = rd
+            .next_entry()
+            .await
+            .map_err(|e| StoreError::io("staging dir", e))?
+        {
             if let Some(name) = e.file_name().to_str() {
                 out.push(name.to_string());
             }

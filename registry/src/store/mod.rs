@@ -55,7 +55,11 @@ pub enum StoreError {
     #[error("object {0} not found")]
     NotFound(String),
     #[error("staged upload {id} has {actual} bytes, expected {expected}")]
-    OffsetMismatch { id: String, expected: u64, actual: u64 },
+    OffsetMismatch {
+        id: String,
+        expected: u64,
+        actual: u64,
+    },
     #[error("range {start}..{end} is outside object {key} of {size} bytes")]
     BadRange {
         key: String,

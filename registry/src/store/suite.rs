@@ -31,9 +31,18 @@ pub async fn run(store: &dyn ObjectStore) {
 async fn put_is_create_once(store: &dyn ObjectStore) {
     let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"manifest"));
     assert_eq!(store.stat(&key).await.unwrap(), None);
-    assert!(matches!(store.read_all(&key).await, Err(StoreError::NotFound(_))));
-    store.put(&key, Bytes::from_static(b"manifest")).await.unwrap();
-    store.put(&key, Bytes::from_static(b"manifest")).await.unwrap();
+    assert!(matches!(
+        store.read_all(&key).await,
+        Err(StoreError::NotFound(_))
+    ));
+    store
+        .put(&key, Bytes::from_static(b"manifest"))
+        .await
+        .unwrap();
+    store
+        .put(&key, Bytes::from_static(b"manifest"))
+        .await
+        .unwrap();
     assert_eq!(store.stat(&key).await.unwrap(), Some(8));
     assert_eq!(&store.read_all(&key).await.unwrap()[..], b"manifest");
     let listed = store.list("blobs/sha256/").await.unwrap();
@@ -42,11 +51,23 @@ async fn put_is_create_once(store: &dyn ObjectStore) {
 
 async fn ranges(store: &dyn ObjectStore) {
     let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"0123456789"));
-    store.put(&key, Bytes::from_static(b"0123456789")).await.unwrap();
-    assert_eq!(collect(store.read(&key, 0..10).await.unwrap()).await, b"0123456789");
-    assert_eq!(collect(store.read(&key, 3..7).await.unwrap()).await, b"3456");
+    store
+        .put(&key, Bytes::from_static(b"0123456789"))
+        .await
+        .unwrap();
+    assert_eq!(
+        collect(store.read(&key, 0..10).await.unwrap()).await,
+        b"0123456789"
+    );
+    assert_eq!(
+        collect(store.read(&key, 3..7).await.unwrap()).await,
+        b"3456"
+    );
     assert_eq!(collect(store.read(&key, 10..10).await.unwrap()).await, b"");
-    assert!(matches!(store.read(&key, 5..11).await, Err(StoreError::BadRange { .. })));
+    assert!(matches!(
+        store.read(&key, 5..11).await,
+        Err(StoreError::BadRange { .. })
+    ));
 }
 
 async fn staged_lifecycle(store: &dyn ObjectStore) {
@@ -57,11 +78,17 @@ async fn staged_lifecycle(store: &dyn ObjectStore) {
         .await
         .unwrap();
     assert_eq!((n, seen), (9, 9));
-    let n = store.append_staged(id, 9, body(&[b"ld!"]), &mut |_| {}).await.unwrap();
+    let n = store
+        .append_staged(id, 9, body(&[b"ld!"]), &mut |_| {})
+        .await
+        .unwrap();
     assert_eq!(n, 12);
     assert_eq!(store.staged_len(id).await.unwrap(), Some(12));
     store.truncate_staged(id, 11).await.unwrap();
-    assert_eq!(collect(store.read_staged(id).await.unwrap()).await, b"hello world");
+    assert_eq!(
+        collect(store.read_staged(id).await.unwrap()).await,
+        b"hello world"
+    );
     assert!(store.list_staged().await.unwrap().contains(&id.to_string()));
     let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"hello world"));
     store.publish_staged(id, &key).await.unwrap();
@@ -74,12 +101,33 @@ async fn staged_lifecycle(store: &dyn ObjectStore) {
 
 async fn staged_offset_is_checked(store: &dyn ObjectStore) {
     let id = "0000aaaa-0000-0000-0000-000000000002";
-    store.append_staged(id, 0, body(&[b"abc"]), &mut |_| {}).await.unwrap();
-    let err = store.append_staged(id, 1, body(&[b"x"]), &mut |_| {}).await.unwrap_err();
-    assert!(matches!(err, StoreError::OffsetMismatch { expected: 1, actual: 3, .. }), "{err}");
+    store
+        .append_staged(id, 0, body(&[b"abc"]), &mut |_| {})
+        .await
+        .unwrap();
+    let err = store
+        .append_staged(id, 1, body(&[b"x"]), &mut |_| {})
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::OffsetMismatch {
+                expected: 1,
+                actual: 3,
+                ..
+            }
+        ),
+        "{err}"
+    );
     // Appending to a session that does not exist (offset > 0) is not found.
     let err = store
-        .append_staged("0000aaaa-0000-0000-0000-00000000dead", 5, body(&[b"x"]), &mut |_| {})
+        .append_staged(
+            "0000aaaa-0000-0000-0000-00000000dead",
+            5,
+            body(&[b"x"]),
+            &mut |_| {},
+        )
         .await
         .unwrap_err();
     assert!(matches!(err, StoreError::NotFound(_)), "{err}");
@@ -90,9 +138,14 @@ async fn staged_offset_is_checked(store: &dyn ObjectStore) {
 async fn concurrent_publish_of_same_content(store: &dyn ObjectStore) {
     let data: &'static [u8] = b"same content from sixteen uploads";
     let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, data));
-    let ids: Vec<String> = (0..16).map(|i| format!("0000bbbb-0000-0000-0000-{i:012}")).collect();
+    let ids: Vec<String> = (0..16)
+        .map(|i| format!("0000bbbb-0000-0000-0000-{i:012}"))
+        .collect();
     for id in &ids {
-        store.append_staged(id, 0, body(&[data]), &mut |_| {}).await.unwrap();
+        store
+            .append_staged(id, 0, body(&[data]), &mut |_| {})
+            .await
+            .unwrap();
     }
     let publishes = ids.iter().map(|id| store.publish_staged(id, &key));
     for r in futures_util::future::join_all(publishes).await {

@@ -129,7 +129,13 @@ pub async fn push_blob(s: &Server, repo: &str, data: &[u8]) -> String {
 }
 
 /// Pushes a manifest; returns the response.
-pub async fn put_manifest(s: &Server, repo: &str, reference: &str, media_type: &str, body: &str) -> reqwest::Response {
+pub async fn put_manifest(
+    s: &Server,
+    repo: &str,
+    reference: &str,
+    media_type: &str,
+    body: &str,
+) -> reqwest::Response {
     client()
         .put(s.url(&format!("/v2/{repo}/manifests/{reference}")))
         .header("Content-Type", media_type)
@@ -155,7 +161,10 @@ pub async fn image_manifest(s: &Server, repo: &str, seed: &str, extra: &str) -> 
 /// The spec error code of an error response.
 pub async fn error_code(r: reqwest::Response) -> String {
     let v: serde_json::Value = r.json().await.expect("error body is JSON");
-    v["errors"][0]["code"].as_str().expect("errors[0].code").to_string()
+    v["errors"][0]["code"]
+        .as_str()
+        .expect("errors[0].code")
+        .to_string()
 }
 
 /// A tool the test needs; fails loudly when it is missing.
@@ -167,7 +176,9 @@ pub fn require_tool(name: &str) -> PathBuf {
 
 /// Runs a command, panicking with its output if it fails; returns stdout.
 pub fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
     if !out.status.success() {
         panic!(
             "{cmd:?} failed with {}:\nstdout:\n{}\nstderr:\n{}",

@@ -1,0 +1,83 @@
+# Shared helpers for scripts/*: dependency installation, build environment, and
+# services started in the background and stopped by PID. Source it; do not run it.
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RUN_DIR=${AMBER_RUN_DIR:-$ROOT/.run}
+mkdir -p "$RUN_DIR"
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+# Debian packages the build, the tests and the demo need.
+DEB_PACKAGES=(
+  librocksdb-dev libclang-dev clang pkg-config
+  docker.io skopeo buildah podman docker-registry uidmap
+  busybox-static erofs-utils curl file
+)
+# PyPI packages the tests need.
+PIP_PACKAGES=(oras==0.2.43)
+
+install_deps() {
+  local missing=()
+  for p in "${DEB_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    log "installing Debian packages: ${missing[*]}"
+    local sudo=; [ "$(id -u)" = 0 ] || sudo=sudo
+    $sudo apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  local pip_missing=()
+  for p in "${PIP_PACKAGES[@]}"; do
+    python3 -m pip show -q "${p%%==*}" >/dev/null 2>&1 || pip_missing+=("$p")
+  done
+  if ((${#pip_missing[@]})); then
+    log "installing PyPI packages: ${pip_missing[*]}"
+    python3 -m pip install -q "${pip_missing[@]}"
+  fi
+  command -v cargo >/dev/null || die "cargo is not installed (this machine kind has rustup's toolchain)"
+}
+
+# Build against Debian's RocksDB (minutes instead of a quarter hour for the bundled one).
+build_env() {
+  export ROCKSDB_LIB_DIR=/usr/lib/x86_64-linux-gnu
+  export ROCKSDB_INCLUDE_DIR=/usr/include
+  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
+  export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+}
+
+pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+# stop_pid NAME: stops the service recorded in $RUN_DIR/NAME.pid, waits for it to exit.
+stop_pid() {
+  local f="$RUN_DIR/$1.pid"
+  if pid_alive "$f"; then
+    local pid; pid=$(cat "$f")
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+  fi
+  rm -f "$f"
+}
+
+# start_dockerd: a Docker engine of our own on a Unix socket in $RUN_DIR, vfs storage,
+# no networking changes on the host. Exports DOCKER_SOCK.
+start_dockerd() {
+  local d="$RUN_DIR/docker"
+  stop_pid dockerd
+  mkdir -p "$d"
+  export DOCKER_SOCK="unix://$d/docker.sock"
+  log "starting a Docker engine on $DOCKER_SOCK"
+  dockerd --iptables=false --ip6tables=false --ip-masq=false --bridge=none \
+    --storage-driver=vfs --data-root "$d/root" --exec-root "$d/exec" \
+    --pidfile "$d/dockerd.pid" --host "$DOCKER_SOCK" >"$d/dockerd.log" 2>&1 &
+  echo $! >"$RUN_DIR/dockerd.pid"
+  for _ in $(seq 300); do
+    docker -H "$DOCKER_SOCK" version >/dev/null 2>&1 && return 0
+    pid_alive "$RUN_DIR/dockerd.pid" || break
+    sleep 0.1
+  done
+  tail -20 "$d/dockerd.log" >&2
+  die "the Docker engine did not start (log: $d/dockerd.log)"
+}
