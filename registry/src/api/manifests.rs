@@ -257,14 +257,16 @@ pub async fn put(
             }
             Some(_) => {}
             None if b.has_urls || non_distributable(&b.media_type) => {}
-            None => return Err(ApiError::new(
-                StatusCode::BAD_REQUEST,
-                "MANIFEST_BLOB_UNKNOWN",
-                format!(
+            None => {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "MANIFEST_BLOB_UNKNOWN",
+                    format!(
                     "blob {} referenced by the manifest is not in repository {name}; push it first",
                     b.digest
                 ),
-            )),
+                ))
+            }
         }
     }
     for c in &parsed.children {
