@@ -13,13 +13,38 @@ use std::path::{Path, PathBuf};
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
-use tokio_util::io::ReaderStream;
+use std::io::{Read, Seek, Write};
 
 use super::{ByteStream, ObjectKey, ObjectStore, Observer, StoreError};
 
-const READ_BUF: usize = 256 * 1024;
-const WRITE_BUF: usize = 1024 * 1024;
+/// Size of the reads that feed a download.
+const READ_CHUNK: usize = 256 * 1024;
+/// Chunks in flight between a request and the thread writing them, or between the thread
+/// reading a file and the response.
+const WRITE_QUEUE: usize = 8;
+const READ_QUEUE: usize = 2;
+
+/// Streams `len` bytes of `file` from its current position, read by a blocking thread
+/// through a bounded channel (memory per download: a few chunks).
+fn stream_file(mut file: std::fs::File, len: u64) -> ByteStream {
+    let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(READ_QUEUE);
+    tokio::task::spawn_blocking(move || {
+        let mut left = len;
+        while left > 0 {
+            let n = left.min(READ_CHUNK as u64) as usize;
+            let mut buf = bytes::BytesMut::zeroed(n);
+            let res = file.read_exact(&mut buf).map(|()| buf.freeze());
+            let failed = res.is_err();
+            if tx.blocking_send(res).is_err() || failed {
+                return; // the client went away, or the read failed and was reported
+            }
+            left -= n as u64;
+        }
+    });
+    Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }))
+}
 
 pub struct FsStore {
     root: PathBuf,
@@ -86,27 +111,25 @@ impl ObjectStore for FsStore {
 
     async fn read(&self, key: &ObjectKey, range: Range<u64>) -> Result<ByteStream, StoreError> {
         let path = self.path(key);
-        let mut f = tokio::fs::File::open(&path)
-            .await
-            .map_err(|e| not_found_or_io(key.as_str().to_string(), e))?;
-        let size = f
-            .metadata()
-            .await
-            .map_err(|e| StoreError::io(key.as_str(), e))?
-            .len();
-        if range.start > range.end || range.end > size {
-            return Err(StoreError::BadRange {
-                key: key.as_str().to_string(),
-                start: range.start,
-                end: range.end,
-                size,
-            });
-        }
-        f.seek(SeekFrom::Start(range.start))
-            .await
-            .map_err(|e| StoreError::io(key.as_str(), e))?;
-        let reader = f.take(range.end - range.start);
-        Ok(Box::pin(ReaderStream::with_capacity(reader, READ_BUF)))
+        let name = key.as_str().to_string();
+        let file = tokio::task::spawn_blocking(move || -> Result<std::fs::File, StoreError> {
+            let mut f = std::fs::File::open(&path).map_err(|e| not_found_or_io(name.clone(), e))?;
+            let size = f.metadata().map_err(|e| StoreError::io(name.as_str(), e))?.len();
+            if range.start > range.end || range.end > size {
+                return Err(StoreError::BadRange {
+                    key: name,
+                    start: range.start,
+                    end: range.end,
+                    size,
+                });
+            }
+            f.seek(SeekFrom::Start(range.start))
+                .map_err(|e| StoreError::io(name.as_str(), e))?;
+            Ok(f)
+        })
+        .await
+        .expect("open task")?;
+        Ok(stream_file(file, range.end - range.start))
     }
 
     async fn read_all(&self, key: &ObjectKey) -> Result<Bytes, StoreError> {
@@ -148,41 +171,54 @@ impl ObjectStore for FsStore {
         observe: Observer<'_>,
     ) -> Result<u64, StoreError> {
         let path = self.staged(id)?;
-        let what = || format!("staged upload {id}");
-        let file = tokio::fs::OpenOptions::new()
-            .create(offset == 0)
-            .append(true)
-            .open(&path)
-            .await
-            .map_err(|e| not_found_or_io(what(), e))?;
-        let actual = file
-            .metadata()
-            .await
-            .map_err(|e| StoreError::io(what(), e))?
-            .len();
-        if actual != offset {
-            return Err(StoreError::OffsetMismatch {
-                id: id.to_string(),
-                expected: offset,
-                actual,
-            });
-        }
-        let mut w = tokio::io::BufWriter::with_capacity(WRITE_BUF, file);
-        let mut len = offset;
+        let what = format!("staged upload {id}");
+        // The file is written by one blocking thread fed through a small bounded channel:
+        // memory per upload is a few request chunks, whatever the blob size.
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(WRITE_QUEUE);
+        let id_owned = id.to_string();
+        let writer = tokio::task::spawn_blocking(move || -> Result<u64, StoreError> {
+            let mut f = std::fs::OpenOptions::new()
+                .create(offset == 0)
+                .append(true)
+                .open(&path)
+                .map_err(|e| not_found_or_io(what.clone(), e))?;
+            let actual = f.metadata().map_err(|e| StoreError::io(what.as_str(), e))?.len();
+            if actual != offset {
+                return Err(StoreError::OffsetMismatch {
+                    id: id_owned,
+                    expected: offset,
+                    actual,
+                });
+            }
+            let mut len = offset;
+            while let Some(chunk) = rx.blocking_recv() {
+                f.write_all(&chunk).map_err(|e| StoreError::io(what.as_str(), e))?;
+                len += chunk.len() as u64;
+            }
+            f.sync_data().map_err(|e| StoreError::io(what.as_str(), e))?;
+            Ok(len)
+        });
+        let mut body_error = None;
         while let Some(chunk) = body.next().await {
-            let chunk = chunk.map_err(StoreError::Body)?;
-            w.write_all(&chunk)
-                .await
-                .map_err(|e| StoreError::io(what(), e))?;
-            observe(&chunk);
-            len += chunk.len() as u64;
+            match chunk {
+                Ok(chunk) => {
+                    observe(&chunk);
+                    if tx.send(chunk).await.is_err() {
+                        break; // the writer stopped; its error is reported below
+                    }
+                }
+                Err(e) => {
+                    body_error = Some(e);
+                    break;
+                }
+            }
         }
-        w.flush().await.map_err(|e| StoreError::io(what(), e))?;
-        w.get_ref()
-            .sync_data()
-            .await
-            .map_err(|e| StoreError::io(what(), e))?;
-        Ok(len)
+        drop(tx);
+        let written = writer.await.expect("writer task")?;
+        match body_error {
+            Some(e) => Err(StoreError::Body(e)),
+            None => Ok(written),
+        }
     }
 
     async fn staged_len(&self, id: &str) -> Result<Option<u64>, StoreError> {
@@ -208,10 +244,16 @@ impl ObjectStore for FsStore {
     }
 
     async fn read_staged(&self, id: &str) -> Result<ByteStream, StoreError> {
-        let f = tokio::fs::File::open(self.staged(id)?)
-            .await
-            .map_err(|e| not_found_or_io(format!("staged upload {id}"), e))?;
-        Ok(Box::pin(ReaderStream::with_capacity(f, READ_BUF)))
+        let path = self.staged(id)?;
+        let what = format!("staged upload {id}");
+        let file = tokio::task::spawn_blocking(move || {
+            let f = std::fs::File::open(&path).map_err(|e| not_found_or_io(what.clone(), e))?;
+            let len = f.metadata().map_err(|e| StoreError::io(what, e))?.len();
+            Ok::<_, StoreError>((f, len))
+        })
+        .await
+        .expect("open task")?;
+        Ok(stream_file(file.0, file.1))
     }
 
     async fn publish_staged(&self, id: &str, key: &ObjectKey) -> Result<(), StoreError> {
