@@ -39,10 +39,12 @@ install_deps() {
   command -v cargo >/dev/null || die "cargo is not installed (this machine kind has rustup's toolchain)"
 }
 
-# Build against Debian's RocksDB (minutes instead of a quarter hour for the bundled one).
+# Build against Debian's RocksDB (minutes instead of a quarter hour for the bundled one),
+# linked statically: see registry/build.rs for why.
 build_env() {
   export ROCKSDB_LIB_DIR=/usr/lib/x86_64-linux-gnu
   export ROCKSDB_INCLUDE_DIR=/usr/include
+  export ROCKSDB_STATIC=1
   export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
   export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 }

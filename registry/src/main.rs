@@ -36,8 +36,29 @@ fn init_logs() {
     }
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+/// Keeps glibc's allocator from holding freed upload and download buffers: a fixed mmap
+/// threshold returns large buffers to the kernel when freed (the default threshold grows
+/// after the first free and then keeps them in per-thread arenas), and two arenas bound
+/// how many heaps the blocking I/O threads spread over.
+fn tune_allocator() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only changes allocator parameters; called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    tune_allocator();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("starting the tokio runtime")
+        .block_on(async_main())
+}
+
+async fn async_main() -> std::process::ExitCode {
     init_logs();
     match run(Cli::parse()).await {
         Ok(code) => code,
