@@ -1,0 +1,119 @@
+//! `amber-convert SOURCE --out DIR [--raw IMAGE] [--verify]`: converts an image from an
+//! OCI layout directory or a docker archive into chunks (`DIR/chunks/`) and a block
+//! manifest (`DIR/manifest.json`), printing the env digest.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+
+use amber_converter::chunk::DirChunkSink;
+use amber_converter::manifest::{BlockManifest, ManifestEnvelope, Provenance};
+use amber_converter::{convert, oci, LayerInput};
+
+#[derive(Parser)]
+#[command(name = "amber-convert", version, about = "Convert an OCI image into an amber block image")]
+struct Cli {
+    /// An OCI image layout directory, or a docker-archive tar (`docker save`).
+    source: PathBuf,
+    /// Output directory: chunks/ and manifest.json.
+    #[arg(long)]
+    out: PathBuf,
+    /// Also write the whole device as one (sparse) file.
+    #[arg(long)]
+    raw: Option<PathBuf>,
+    /// Re-read every chunk written and check its hash.
+    #[arg(long)]
+    verify: bool,
+    /// zstd level for stored chunks.
+    #[arg(long, default_value_t = 3)]
+    level: i32,
+}
+
+fn main() -> std::process::ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("amber-convert: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let work = tempfile::tempdir().context("creating a work directory")?;
+    let image = if cli.source.is_dir() {
+        oci::oci_layout(&cli.source)?
+    } else {
+        oci::docker_archive(&cli.source, work.path())?
+    };
+    let mut layers = Vec::new();
+    for (name, path) in &image.layers {
+        let f = std::fs::File::open(path).with_context(|| format!("opening layer {}", path.display()))?;
+        layers.push(LayerInput { name: name.clone(), reader: Box::new(f) });
+    }
+    std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
+    let chunk_dir = cli.out.join("chunks");
+    let mut sink = DirChunkSink::new(&chunk_dir, cli.level)?;
+    let mut scratch = tempfile::tempfile_in(work.path()).context("creating the scratch file")?;
+    let mut raw = match &cli.raw {
+        Some(p) => Some(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?),
+        None => None,
+    };
+    let tty = std::io::stderr().is_terminal();
+    let mut progress = |msg: &str| {
+        if tty {
+            eprintln!("amber-convert: {msg}");
+        }
+    };
+    let out = convert(
+        layers,
+        &mut scratch,
+        &mut sink,
+        raw.as_mut().map(|f| f as &mut dyn amber_converter::chunk::RawSink),
+        &mut progress,
+    )?;
+    if let (Some(f), Some(p)) = (&raw, &cli.raw) {
+        f.set_len(out.manifest.device_size).with_context(|| format!("sizing {}", p.display()))?;
+    }
+    let env = out.manifest.env_digest();
+    let envelope = ManifestEnvelope {
+        env_digest: env,
+        manifest: out.manifest.clone(),
+        provenance: Provenance {
+            image: image.manifest_digest.clone(),
+            diff_ids: out.diff_ids.clone(),
+            converter: format!("amber-convert {}", env!("CARGO_PKG_VERSION")),
+        },
+    };
+    std::fs::write(cli.out.join("manifest.json"), serde_json::to_vec_pretty(&envelope)?)?;
+    if cli.verify {
+        verify(&out.manifest, &chunk_dir)?;
+    }
+    eprintln!(
+        "amber-convert: {} inodes, {} MiB device, {} chunks ({} new, {} already stored), {} MiB of layers",
+        out.inodes,
+        out.manifest.device_size >> 20,
+        out.chunks,
+        sink.written,
+        sink.existing,
+        out.layer_bytes >> 20
+    );
+    println!("{env}");
+    Ok(())
+}
+
+fn verify(m: &BlockManifest, dir: &std::path::Path) -> anyhow::Result<()> {
+    for e in &m.extents {
+        let path = DirChunkSink::path(dir, &e.chunk);
+        let z = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+        let data = zstd::bulk::decompress(&z, e.length as usize).with_context(|| format!("decompressing {}", path.display()))?;
+        anyhow::ensure!(
+            amber_converter::manifest::ChunkId::of(&data) == e.chunk && data.len() as u64 == e.length,
+            "chunk {} is corrupt",
+            e.chunk
+        );
+    }
+    Ok(())
+}

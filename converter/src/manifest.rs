@@ -1,0 +1,208 @@
+//! The block manifest, its canonical encoding and the env digest; chunk ids.
+//!
+//! Invariant: the env digest is blake3 of `BlockManifest::canonical_bytes()`, which
+//! covers exactly the fields that determine the device's bytes (format version, device
+//! size, block size, file system, and the sorted extents with their chunk ids). Ranges
+//! not covered by an extent read as zeros. Provenance lives beside the manifest in
+//! `ManifestEnvelope`, never inside what the digest covers.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// `blake3:<hex>` of a chunk's uncompressed bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChunkId(pub [u8; 32]);
+
+/// `blake3:<hex>` of a block manifest's canonical encoding.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EnvDigest(pub [u8; 32]);
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{0:?} is not a blake3 digest (blake3:<64 lowercase hex>)")]
+pub struct BadBlake3(pub String);
+
+fn parse_blake3(s: &str) -> Result<[u8; 32], BadBlake3> {
+    let hex = s.strip_prefix("blake3:").ok_or_else(|| BadBlake3(s.into()))?;
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+        return Err(BadBlake3(s.into()));
+    }
+    let mut out = [0u8; 32];
+    hex::decode_to_slice(hex, &mut out).map_err(|_| BadBlake3(s.into()))?;
+    Ok(out)
+}
+
+macro_rules! blake3_id {
+    ($t:ident) => {
+        impl $t {
+            pub fn of(data: &[u8]) -> $t {
+                $t(*blake3::hash(data).as_bytes())
+            }
+            pub fn hex(&self) -> String {
+                hex::encode(self.0)
+            }
+        }
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "blake3:{}", hex::encode(self.0))
+            }
+        }
+        impl fmt::Debug for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                fmt::Display::fmt(self, f)
+            }
+        }
+        impl FromStr for $t {
+            type Err = BadBlake3;
+            fn from_str(s: &str) -> Result<$t, BadBlake3> {
+                parse_blake3(s).map($t)
+            }
+        }
+        impl Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.collect_str(self)
+            }
+        }
+        impl<'de> Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<$t, D::Error> {
+                String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+            }
+        }
+    };
+}
+
+blake3_id!(ChunkId);
+blake3_id!(EnvDigest);
+
+/// One stored range of the device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extent {
+    pub offset: u64,
+    pub length: u64,
+    pub chunk: ChunkId,
+}
+
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What determines a block device's bytes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockManifest {
+    pub version: u32,
+    pub device_size: u64,
+    pub block_size: u32,
+    pub filesystem: String,
+    /// Sorted by offset, non-overlapping; gaps are zeros.
+    pub extents: Vec<Extent>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ManifestError {
+    #[error("unsupported block manifest version {0}")]
+    Version(u32),
+    #[error("extent at {offset} overlaps or precedes the one before it")]
+    Unsorted { offset: u64 },
+    #[error("extent at {offset} (+{length}) lies outside the {device_size}-byte device")]
+    OutOfRange { offset: u64, length: u64, device_size: u64 },
+    #[error("extent at {0} is empty")]
+    Empty(u64),
+}
+
+impl BlockManifest {
+    /// The canonical encoding: JSON with fields in a fixed order and no whitespace.
+    pub fn canonical_bytes(&self) -> Vec<u8> {
+        // serde_json writes struct fields in declaration order and Extent/ChunkId have
+        // one textual form, so this is canonical by construction.
+        serde_json::to_vec(self).expect("manifest serializes")
+    }
+
+    pub fn env_digest(&self) -> EnvDigest {
+        EnvDigest::of(&self.canonical_bytes())
+    }
+
+    /// Checks the invariants a reader relies on.
+    pub fn validate(&self) -> Result<(), ManifestError> {
+        if self.version != FORMAT_VERSION {
+            return Err(ManifestError::Version(self.version));
+        }
+        let mut end = 0;
+        for e in &self.extents {
+            if e.length == 0 {
+                return Err(ManifestError::Empty(e.offset));
+            }
+            if e.offset < end {
+                return Err(ManifestError::Unsorted { offset: e.offset });
+            }
+            end = e.offset.checked_add(e.length).unwrap_or(u64::MAX);
+            if end > self.device_size {
+                return Err(ManifestError::OutOfRange {
+                    offset: e.offset,
+                    length: e.length,
+                    device_size: self.device_size,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes covered by extents (the rest is holes).
+    pub fn stored_bytes(&self) -> u64 {
+        self.extents.iter().map(|e| e.length).sum()
+    }
+}
+
+/// Provenance that does not determine the bytes: stored beside the manifest.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Provenance {
+    /// The OCI image manifest digest the device was made from, when known.
+    pub image: Option<String>,
+    /// Uncompressed layer digests (diff_ids), in order.
+    pub diff_ids: Vec<String>,
+    pub converter: String,
+}
+
+/// The stored form: the manifest, its digest, and provenance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestEnvelope {
+    pub env_digest: EnvDigest,
+    pub manifest: BlockManifest,
+    pub provenance: Provenance,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m() -> BlockManifest {
+        BlockManifest {
+            version: FORMAT_VERSION,
+            device_size: 8192,
+            block_size: 4096,
+            filesystem: "erofs".into(),
+            extents: vec![Extent { offset: 0, length: 4096, chunk: ChunkId::of(b"x") }],
+        }
+    }
+
+    #[test]
+    fn digest_is_stable_and_round_trips() {
+        let a = m();
+        let text = String::from_utf8(a.canonical_bytes()).unwrap();
+        assert!(text.starts_with(r#"{"version":1,"device_size":8192,"block_size":4096,"filesystem":"erofs","extents":[{"offset":0"#));
+        let b: BlockManifest = serde_json::from_str(&text).unwrap();
+        assert_eq!(a.env_digest(), b.env_digest());
+        let d = a.env_digest().to_string();
+        assert_eq!(d.parse::<EnvDigest>().unwrap(), a.env_digest());
+    }
+
+    #[test]
+    fn invalid_manifests_are_refused() {
+        let mut a = m();
+        a.extents.push(Extent { offset: 100, length: 10, chunk: ChunkId::of(b"y") });
+        assert_eq!(a.validate(), Err(ManifestError::Unsorted { offset: 100 }));
+        let mut b = m();
+        b.extents[0].length = 9000;
+        assert!(matches!(b.validate(), Err(ManifestError::OutOfRange { .. })));
+        assert!("blake3:xyz".parse::<ChunkId>().is_err());
+        assert!("sha256:00".parse::<ChunkId>().is_err());
+    }
+}
