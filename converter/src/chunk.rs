@@ -110,7 +110,14 @@ impl<'a> Chunker<'a> {
 
     /// One regular file placed at `offset` (block aligned); `data` yields its `len` bytes
     /// (zero-padded here to the block end). `hash` is blake3 of the content.
-    pub fn file(&mut self, offset: u64, len: u64, hash: &[u8; 32], data: &mut dyn io::Read, block: u64) -> io::Result<()> {
+    pub fn file(
+        &mut self,
+        offset: u64,
+        len: u64,
+        hash: &[u8; 32],
+        data: &mut dyn io::Read,
+        block: u64,
+    ) -> io::Result<()> {
         let padded = len.div_ceil(block) * block;
         if len >= LARGE_FILE {
             self.flush_pack()?;
@@ -164,7 +171,13 @@ impl DirChunkSink {
     pub fn new(dir: impl Into<std::path::PathBuf>, level: i32) -> io::Result<DirChunkSink> {
         let dir = dir.into();
         std::fs::create_dir_all(&dir)?;
-        Ok(DirChunkSink { dir, level, written: 0, written_bytes: 0, existing: 0 })
+        Ok(DirChunkSink {
+            dir,
+            level,
+            written: 0,
+            written_bytes: 0,
+            existing: 0,
+        })
     }
 
     pub fn path(dir: &std::path::Path, id: &ChunkId) -> std::path::PathBuf {
@@ -218,13 +231,30 @@ mod tests {
         let mut c = Chunker::new(&mut sink, None);
         c.metadata(0, &[1u8; 8192]).unwrap();
         let big = vec![7u8; (MAX_CHUNK + 4096) as usize];
-        c.file(8192, big.len() as u64, &file_hash(false), &mut &big[..], 4096).unwrap();
+        c.file(
+            8192,
+            big.len() as u64,
+            &file_hash(false),
+            &mut &big[..],
+            4096,
+        )
+        .unwrap();
         let zeros = vec![0u8; MAX_CHUNK as usize];
         let at = 8192 + big.len() as u64;
-        c.file(at, zeros.len() as u64, &file_hash(false), &mut &zeros[..], 4096).unwrap();
+        c.file(
+            at,
+            zeros.len() as u64,
+            &file_hash(false),
+            &mut &zeros[..],
+            4096,
+        )
+        .unwrap();
         let (ext, _) = c.finish().unwrap();
         let shape: Vec<(u64, u64)> = ext.iter().map(|e| (e.offset, e.length)).collect();
-        assert_eq!(shape, vec![(0, 8192), (8192, MAX_CHUNK), (8192 + MAX_CHUNK, 4096)]);
+        assert_eq!(
+            shape,
+            vec![(0, 8192), (8192, MAX_CHUNK), (8192 + MAX_CHUNK, 4096)]
+        );
     }
 
     #[test]
@@ -234,7 +264,8 @@ mod tests {
         let mut off = 0;
         for (i, cut) in [false, false, true, false, true].iter().enumerate() {
             let data = vec![i as u8 + 1; 100];
-            c.file(off, 100, &file_hash(*cut), &mut &data[..], 4096).unwrap();
+            c.file(off, 100, &file_hash(*cut), &mut &data[..], 4096)
+                .unwrap();
             off += 4096;
         }
         let (ext, _) = c.finish().unwrap();

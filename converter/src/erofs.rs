@@ -50,7 +50,11 @@ pub enum ErofsError {
     #[error("{path}: xattr {name:?} is in a namespace EROFS cannot store (user., trusted., security., system.posix_acl_*)")]
     XattrNamespace { path: String, name: String },
     #[error("{path}: xattrs take {size} bytes; at most {max} fit beside an inode")]
-    XattrsTooLarge { path: String, size: usize, max: usize },
+    XattrsTooLarge {
+        path: String,
+        size: usize,
+        max: usize,
+    },
     #[error("the image needs {0} blocks, more than EROFS block addresses can reach")]
     TooLarge(u64),
     #[error("the root directory's inode does not fit in the first 2 MiB of metadata")]
@@ -108,7 +112,11 @@ fn xattr_body(tree: &Tree, id: InodeId, path: &dyn Fn() -> String) -> Result<Vec
             name: String::from_utf8_lossy(name).into_owned(),
         })?;
         if short.len() > 255 || value.len() > u16::MAX as usize {
-            return Err(ErofsError::XattrsTooLarge { path: path(), size: value.len(), max: u16::MAX as usize });
+            return Err(ErofsError::XattrsTooLarge {
+                path: path(),
+                size: value.len(),
+                max: u16::MAX as usize,
+            });
         }
         body.push(short.len() as u8);
         body.push(index);
@@ -153,14 +161,24 @@ pub fn build(tree: &Tree, uuid: [u8; 16]) -> Result<Image, ErofsError> {
         };
         let size = INODE_SIZE + xattrs.len() + inline.len();
         if size > bs {
-            return Err(ErofsError::XattrsTooLarge { path: path(), size: xattrs.len(), max: bs - INODE_SIZE });
+            return Err(ErofsError::XattrsTooLarge {
+                path: path(),
+                size: xattrs.len(),
+                max: bs - INODE_SIZE,
+            });
         }
         if pos % bs + size > bs {
             pos = pos.div_ceil(bs) * bs;
         }
         let nid = (pos / 32) as u64;
         nid_of[id] = nid;
-        slots.push(Slot { id, nid, xattrs, inline, layout });
+        slots.push(Slot {
+            id,
+            nid,
+            xattrs,
+            inline,
+            layout,
+        });
         pos += size.div_ceil(32) * 32;
     }
     if nid_of[crate::tree::ROOT] > u16::MAX as u64 {
@@ -173,7 +191,9 @@ pub fn build(tree: &Tree, uuid: [u8; 16]) -> Result<Image, ErofsError> {
     let mut dir_blocks: Vec<(InodeId, u64, Vec<u8>, u64)> = Vec::new(); // (id, first block, bytes, i_size)
     let mut subdirs = vec![0u32; tree.inodes.len()];
     for &id in &walk.order {
-        let Kind::Dir { children } = &tree.inodes[id].kind else { continue };
+        let Kind::Dir { children } = &tree.inodes[id].kind else {
+            continue;
+        };
         let mut entries: Vec<(&[u8], u64, u8)> = Vec::with_capacity(children.len() + 2);
         entries.push((b".", nid_of[id], FT_DIR));
         entries.push((b"..", nid_of[walk.parent[id]], FT_DIR));
@@ -205,7 +225,10 @@ pub fn build(tree: &Tree, uuid: [u8; 16]) -> Result<Image, ErofsError> {
         if let Kind::File { data } = &tree.inodes[id].kind {
             if data.len > 0 {
                 file_block[id] = next_block;
-                files.push(FilePlacement { block: next_block, data: *data });
+                files.push(FilePlacement {
+                    block: next_block,
+                    data: *data,
+                });
                 next_block += blocks(data.len);
             }
         }
@@ -213,7 +236,12 @@ pub fn build(tree: &Tree, uuid: [u8; 16]) -> Result<Image, ErofsError> {
     if next_block > u32::MAX as u64 {
         return Err(ErofsError::TooLarge(next_block));
     }
-    let meta_blocks = META_BLKADDR + inode_blocks + dir_blocks.iter().map(|d| blocks(d.2.len() as u64)).sum::<u64>();
+    let meta_blocks = META_BLKADDR
+        + inode_blocks
+        + dir_blocks
+            .iter()
+            .map(|d| blocks(d.2.len() as u64))
+            .sum::<u64>();
     let mut meta = vec![0u8; (meta_blocks * BLOCK_SIZE) as usize];
 
     // 4. Inodes.
@@ -239,7 +267,11 @@ pub fn build(tree: &Tree, uuid: [u8; 16]) -> Result<Image, ErofsError> {
         let off = meta_start + (slot.nid as usize) * 32;
         let b = &mut meta[off..off + INODE_SIZE];
         let format: u16 = 1 | (slot.layout << 1);
-        let icount: u16 = if slot.xattrs.is_empty() { 0 } else { ((slot.xattrs.len() - 12) / 4 + 1) as u16 };
+        let icount: u16 = if slot.xattrs.is_empty() {
+            0
+        } else {
+            ((slot.xattrs.len() - 12) / 4 + 1) as u16
+        };
         b[0..2].copy_from_slice(&format.to_le_bytes());
         b[2..4].copy_from_slice(&icount.to_le_bytes());
         b[4..6].copy_from_slice(&((ftype | m.mode) as u16).to_le_bytes());

@@ -50,7 +50,10 @@ impl<'a> LayerReader<'a> {
     /// Reads what is left (tar padding after the end marker) and returns the diff_id.
     pub fn finish(mut self) -> io::Result<(String, u64)> {
         io::copy(&mut self, &mut io::sink())?;
-        Ok((format!("sha256:{}", hex::encode(self.hasher.finalize())), self.bytes))
+        Ok((
+            format!("sha256:{}", hex::encode(self.hasher.finalize())),
+            self.bytes,
+        ))
     }
 }
 

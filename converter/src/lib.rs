@@ -74,15 +74,18 @@ pub fn convert<'a, 's, S: Read + Write + Seek>(
     let mut t = tree::Tree::new();
     let mut diff_ids = Vec::new();
     let mut layer_bytes = 0;
-    let mut scratch_len = scratch.seek(SeekFrom::End(0)).map_err(io_err("scratch file"))?;
+    let mut scratch_len = scratch
+        .seek(SeekFrom::End(0))
+        .map_err(io_err("scratch file"))?;
     {
         let mut w = BufWriter::with_capacity(1 << 20, &mut *scratch);
         for (i, l) in layers.into_iter().enumerate() {
             progress(&format!("layer {}: {}", i + 1, l.name));
-            let mut r = layer::LayerReader::new(l.reader).map_err(|source| ConvertError::Layer {
-                layer: l.name.clone(),
-                source,
-            })?;
+            let mut r =
+                layer::LayerReader::new(l.reader).map_err(|source| ConvertError::Layer {
+                    layer: l.name.clone(),
+                    source,
+                })?;
             t.apply_layer(i as u32, &l.name, &mut r, &mut w, &mut scratch_len)?;
             let (diff_id, n) = r.finish().map_err(|source| ConvertError::Layer {
                 layer: l.name.clone(),
@@ -100,12 +103,22 @@ pub fn convert<'a, 's, S: Read + Write + Seek>(
     drop(t);
     progress("chunking");
     let mut chunker = Chunker::new(sink, raw);
-    chunker.metadata(0, &image.meta).map_err(io_err("storing metadata chunks"))?;
+    chunker
+        .metadata(0, &image.meta)
+        .map_err(io_err("storing metadata chunks"))?;
     for f in &image.files {
-        scratch.seek(SeekFrom::Start(f.data.offset)).map_err(io_err("scratch file"))?;
+        scratch
+            .seek(SeekFrom::Start(f.data.offset))
+            .map_err(io_err("scratch file"))?;
         let mut data = (&mut *scratch).take(f.data.len);
         chunker
-            .file(f.block * erofs::BLOCK_SIZE, f.data.len, &f.data.hash, &mut data, erofs::BLOCK_SIZE)
+            .file(
+                f.block * erofs::BLOCK_SIZE,
+                f.data.len,
+                &f.data.hash,
+                &mut data,
+                erofs::BLOCK_SIZE,
+            )
             .map_err(io_err("storing file chunks"))?;
     }
     let (extents, chunks) = chunker.finish().map_err(io_err("storing file chunks"))?;

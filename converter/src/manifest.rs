@@ -24,8 +24,14 @@ pub struct EnvDigest(pub [u8; 32]);
 pub struct BadBlake3(pub String);
 
 fn parse_blake3(s: &str) -> Result<[u8; 32], BadBlake3> {
-    let hex = s.strip_prefix("blake3:").ok_or_else(|| BadBlake3(s.into()))?;
-    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+    let hex = s
+        .strip_prefix("blake3:")
+        .ok_or_else(|| BadBlake3(s.into()))?;
+    if hex.len() != 64
+        || !hex
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
         return Err(BadBlake3(s.into()));
     }
     let mut out = [0u8; 32];
@@ -66,7 +72,9 @@ macro_rules! blake3_id {
         }
         impl<'de> Deserialize<'de> for $t {
             fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<$t, D::Error> {
-                String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+                String::deserialize(d)?
+                    .parse()
+                    .map_err(serde::de::Error::custom)
             }
         }
     };
@@ -103,7 +111,11 @@ pub enum ManifestError {
     #[error("extent at {offset} overlaps or precedes the one before it")]
     Unsorted { offset: u64 },
     #[error("extent at {offset} (+{length}) lies outside the {device_size}-byte device")]
-    OutOfRange { offset: u64, length: u64, device_size: u64 },
+    OutOfRange {
+        offset: u64,
+        length: u64,
+        device_size: u64,
+    },
     #[error("extent at {0} is empty")]
     Empty(u64),
 }
@@ -179,7 +191,11 @@ mod tests {
             device_size: 8192,
             block_size: 4096,
             filesystem: "erofs".into(),
-            extents: vec![Extent { offset: 0, length: 4096, chunk: ChunkId::of(b"x") }],
+            extents: vec![Extent {
+                offset: 0,
+                length: 4096,
+                chunk: ChunkId::of(b"x"),
+            }],
         }
     }
 
@@ -197,11 +213,18 @@ mod tests {
     #[test]
     fn invalid_manifests_are_refused() {
         let mut a = m();
-        a.extents.push(Extent { offset: 100, length: 10, chunk: ChunkId::of(b"y") });
+        a.extents.push(Extent {
+            offset: 100,
+            length: 10,
+            chunk: ChunkId::of(b"y"),
+        });
         assert_eq!(a.validate(), Err(ManifestError::Unsorted { offset: 100 }));
         let mut b = m();
         b.extents[0].length = 9000;
-        assert!(matches!(b.validate(), Err(ManifestError::OutOfRange { .. })));
+        assert!(matches!(
+            b.validate(),
+            Err(ManifestError::OutOfRange { .. })
+        ));
         assert!("blake3:xyz".parse::<ChunkId>().is_err());
         assert!("sha256:00".parse::<ChunkId>().is_err());
     }

@@ -25,8 +25,14 @@ pub struct SourceImage {
 }
 
 fn read_json(path: &Path) -> Result<Value, SourceError> {
-    let bytes = std::fs::read(path).map_err(|source| SourceError::Io { path: path.into(), source })?;
-    serde_json::from_slice(&bytes).map_err(|e| SourceError::Format { path: path.into(), msg: e.to_string() })
+    let bytes = std::fs::read(path).map_err(|source| SourceError::Io {
+        path: path.into(),
+        source,
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| SourceError::Format {
+        path: path.into(),
+        msg: e.to_string(),
+    })
 }
 
 fn blob_path(layout: &Path, digest: &str) -> Result<PathBuf, SourceError> {
@@ -35,7 +41,10 @@ fn blob_path(layout: &Path, digest: &str) -> Result<PathBuf, SourceError> {
         msg: format!("bad digest {digest:?}"),
     })?;
     if !matches!(alg, "sha256" | "sha512") || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(SourceError::Format { path: layout.into(), msg: format!("bad digest {digest:?}") });
+        return Err(SourceError::Format {
+            path: layout.into(),
+            msg: format!("bad digest {digest:?}"),
+        });
     }
     Ok(layout.join("blobs").join(alg).join(hex))
 }
@@ -43,18 +52,26 @@ fn blob_path(layout: &Path, digest: &str) -> Result<PathBuf, SourceError> {
 /// The image of an OCI layout: the first manifest of index.json, and for an index the
 /// linux/amd64 entry (or its first entry).
 pub fn oci_layout(dir: &Path) -> Result<SourceImage, SourceError> {
-    let fmt = |msg: String| SourceError::Format { path: dir.join("index.json"), msg };
+    let fmt = |msg: String| SourceError::Format {
+        path: dir.join("index.json"),
+        msg,
+    };
     let mut desc = read_json(&dir.join("index.json"))?["manifests"]
         .get(0)
         .cloned()
         .ok_or_else(|| fmt("index.json lists no manifests".into()))?;
     loop {
-        let digest = desc["digest"].as_str().ok_or_else(|| fmt("descriptor without digest".into()))?.to_string();
+        let digest = desc["digest"]
+            .as_str()
+            .ok_or_else(|| fmt("descriptor without digest".into()))?
+            .to_string();
         let m = read_json(&blob_path(dir, &digest)?)?;
         if let Some(children) = m["manifests"].as_array() {
             desc = children
                 .iter()
-                .find(|c| c["platform"]["os"] == "linux" && c["platform"]["architecture"] == "amd64")
+                .find(|c| {
+                    c["platform"]["os"] == "linux" && c["platform"]["architecture"] == "amd64"
+                })
                 .or_else(|| children.first())
                 .cloned()
                 .ok_or_else(|| fmt(format!("index {digest} is empty")))?;
@@ -69,19 +86,34 @@ pub fn oci_layout(dir: &Path) -> Result<SourceImage, SourceError> {
                 blob_path(dir, &d).map(|p| (d, p))
             })
             .collect::<Result<_, _>>()?;
-        return Ok(SourceImage { manifest_digest: Some(digest), layers });
+        return Ok(SourceImage {
+            manifest_digest: Some(digest),
+            layers,
+        });
     }
 }
 
 /// The image of a `docker save` archive, unpacked (blobs only, never layer contents)
 /// into `work`.
 pub fn docker_archive(archive: &Path, work: &Path) -> Result<SourceImage, SourceError> {
-    let f = File::open(archive).map_err(|source| SourceError::Io { path: archive.into(), source })?;
+    let f = File::open(archive).map_err(|source| SourceError::Io {
+        path: archive.into(),
+        source,
+    })?;
     let mut a = tar::Archive::new(f);
-    for e in a.entries().map_err(|source| SourceError::Io { path: archive.into(), source })? {
-        let mut e = e.map_err(|source| SourceError::Io { path: archive.into(), source })?;
+    for e in a.entries().map_err(|source| SourceError::Io {
+        path: archive.into(),
+        source,
+    })? {
+        let mut e = e.map_err(|source| SourceError::Io {
+            path: archive.into(),
+            source,
+        })?;
         // unpack_in refuses paths that leave `work`.
-        e.unpack_in(work).map_err(|source| SourceError::Io { path: archive.into(), source })?;
+        e.unpack_in(work).map_err(|source| SourceError::Io {
+            path: archive.into(),
+            source,
+        })?;
     }
     if work.join("index.json").exists() && work.join("oci-layout").exists() {
         return oci_layout(work);
@@ -89,12 +121,18 @@ pub fn docker_archive(archive: &Path, work: &Path) -> Result<SourceImage, Source
     let m = read_json(&work.join("manifest.json"))?;
     let layers = m[0]["Layers"]
         .as_array()
-        .ok_or_else(|| SourceError::Format { path: archive.into(), msg: "manifest.json has no Layers".into() })?
+        .ok_or_else(|| SourceError::Format {
+            path: archive.into(),
+            msg: "manifest.json has no Layers".into(),
+        })?
         .iter()
         .map(|l| {
             let rel = l.as_str().unwrap_or_default();
             (rel.to_string(), work.join(rel))
         })
         .collect();
-    Ok(SourceImage { manifest_digest: None, layers })
+    Ok(SourceImage {
+        manifest_digest: None,
+        layers,
+    })
 }

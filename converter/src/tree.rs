@@ -72,7 +72,11 @@ pub struct Inode {
 #[derive(Debug, thiserror::Error)]
 pub enum TreeError {
     #[error("layer {layer}, entry {entry:?}: {reason}")]
-    Entry { layer: String, entry: String, reason: String },
+    Entry {
+        layer: String,
+        entry: String,
+        reason: String,
+    },
     #[error("layer {layer}: reading the layer failed after entry {after:?}: {source}")]
     Layer {
         layer: String,
@@ -221,16 +225,26 @@ impl Tree {
             reason,
         };
         let etype = e.header().entry_type();
-        if matches!(etype, tar::EntryType::XGlobalHeader | tar::EntryType::XHeader) {
+        if matches!(
+            etype,
+            tar::EntryType::XGlobalHeader | tar::EntryType::XHeader
+        ) {
             return Ok(());
         }
         let raw_path = e.path_bytes().into_owned();
         if raw_path.len() > MAX_PATH {
-            return Err(err(format!("path is {} bytes long; the limit is {MAX_PATH}", raw_path.len())));
+            return Err(err(format!(
+                "path is {} bytes long; the limit is {MAX_PATH}",
+                raw_path.len()
+            )));
         }
-        let path = components(&raw_path).ok_or_else(|| err("path climbs above the root with `..`".into()))?;
+        let path = components(&raw_path)
+            .ok_or_else(|| err("path climbs above the root with `..`".into()))?;
         if let Some(long) = path.iter().find(|c| c.len() > MAX_NAME) {
-            return Err(err(format!("a name is {} bytes long; the limit is {MAX_NAME}", long.len())));
+            return Err(err(format!(
+                "a name is {} bytes long; the limit is {MAX_NAME}",
+                long.len()
+            )));
         }
         if path.iter().any(|c| c.contains(&0)) {
             return Err(err("name contains a NUL byte".into()));
@@ -276,8 +290,14 @@ impl Tree {
                 Kind::File { data }
             }
             tar::EntryType::Directory => {
-                let existing = self.children(parent).expect("parent is a directory").get(base).map(|e| e.inode);
-                if let Some(id) = existing.filter(|&id| matches!(self.inodes[id].kind, Kind::Dir { .. })) {
+                let existing = self
+                    .children(parent)
+                    .expect("parent is a directory")
+                    .get(base)
+                    .map(|e| e.inode);
+                if let Some(id) =
+                    existing.filter(|&id| matches!(self.inodes[id].kind, Kind::Dir { .. }))
+                {
                     // Same directory described again: new metadata, children kept.
                     self.inodes[id].meta = meta;
                     let children = self.children_mut(parent).expect("parent is a directory");
@@ -303,7 +323,8 @@ impl Tree {
                     .link_name_bytes()
                     .ok_or_else(|| err("hard link without a target".into()))?
                     .into_owned();
-                let tpath = components(&target).ok_or_else(|| err("hard link target climbs above the root".into()))?;
+                let tpath = components(&target)
+                    .ok_or_else(|| err("hard link target climbs above the root".into()))?;
                 let tname = String::from_utf8_lossy(&target).into_owned();
                 let id = self.lookup(&tpath).ok_or_else(|| {
                     err(format!("hard link to {tname:?}, which does not exist (a hard link must name an earlier entry)"))
@@ -315,7 +336,13 @@ impl Tree {
                     return Ok(());
                 }
                 let children = self.children_mut(parent).expect("parent is a directory");
-                children.insert(base.clone(), Entry { inode: id, layer: st.index });
+                children.insert(
+                    base.clone(),
+                    Entry {
+                        inode: id,
+                        layer: st.index,
+                    },
+                );
                 return Ok(());
             }
             tar::EntryType::Char | tar::EntryType::Block => {
@@ -329,11 +356,22 @@ impl Tree {
                 }
             }
             tar::EntryType::Fifo => Kind::Fifo,
-            other => return Err(err(format!("unsupported tar entry type {:?}", other.as_byte() as char))),
+            other => {
+                return Err(err(format!(
+                    "unsupported tar entry type {:?}",
+                    other.as_byte() as char
+                )))
+            }
         };
         let id = self.add_inode(Inode { kind, meta });
         let children = self.children_mut(parent).expect("parent is a directory");
-        children.insert(base.clone(), Entry { inode: id, layer: st.index });
+        children.insert(
+            base.clone(),
+            Entry {
+                inode: id,
+                layer: st.index,
+            },
+        );
         Ok(())
     }
 
@@ -342,11 +380,19 @@ impl Tree {
     fn make_parents(&mut self, path: &[Vec<u8>], layer: u32) -> Result<InodeId, String> {
         let mut cur = ROOT;
         for (i, c) in path.iter().enumerate() {
-            let next = self.children(cur).expect("walk stays in directories").get(c).copied();
+            let next = self
+                .children(cur)
+                .expect("walk stays in directories")
+                .get(c)
+                .copied();
             cur = match next {
                 Some(entry) => match &self.inodes[entry.inode].kind {
                     Kind::Dir { .. } => {
-                        self.children_mut(cur).expect("dir").get_mut(c).expect("present").layer = layer;
+                        self.children_mut(cur)
+                            .expect("dir")
+                            .get_mut(c)
+                            .expect("present")
+                            .layer = layer;
                         entry.inode
                     }
                     Kind::Symlink { .. } => {
@@ -369,7 +415,9 @@ impl Tree {
                         },
                         meta: root_meta(),
                     });
-                    self.children_mut(cur).expect("dir").insert(c.clone(), Entry { inode: id, layer });
+                    self.children_mut(cur)
+                        .expect("dir")
+                        .insert(c.clone(), Entry { inode: id, layer });
                     id
                 }
             };
@@ -380,10 +428,23 @@ impl Tree {
     fn entry_meta<R: Read>(&self, e: &mut tar::Entry<'_, R>) -> Result<Meta, String> {
         let h = e.header();
         // Empty numeric fields read as 0, as Go's archive/tar (docker) and GNU tar do.
-        let blank = |r: std::ops::Range<usize>| h.as_bytes()[r].iter().all(|&b| b == 0 || b == b' ');
-        let mode = if blank(100..108) { 0 } else { h.mode().map_err(|x| format!("bad mode: {x}"))? } & 0o7777;
-        let mut uid = if blank(108..116) { 0 } else { h.uid().map_err(|x| format!("bad uid: {x}"))? };
-        let mut gid = if blank(116..124) { 0 } else { h.gid().map_err(|x| format!("bad gid: {x}"))? };
+        let blank =
+            |r: std::ops::Range<usize>| h.as_bytes()[r].iter().all(|&b| b == 0 || b == b' ');
+        let mode = if blank(100..108) {
+            0
+        } else {
+            h.mode().map_err(|x| format!("bad mode: {x}"))?
+        } & 0o7777;
+        let mut uid = if blank(108..116) {
+            0
+        } else {
+            h.uid().map_err(|x| format!("bad uid: {x}"))?
+        };
+        let mut gid = if blank(116..124) {
+            0
+        } else {
+            h.gid().map_err(|x| format!("bad gid: {x}"))?
+        };
         let mut mtime = h.mtime().unwrap_or(0);
         let mut mtime_nsec = 0u32;
         let mut xattrs = BTreeMap::new();
@@ -392,14 +453,21 @@ impl Tree {
                 let ext = ext.map_err(|x| format!("bad PAX record: {x}"))?;
                 let key = ext.key_bytes();
                 let value = ext.value_bytes();
-                let num = || std::str::from_utf8(value).ok().and_then(|v| v.trim().parse::<u64>().ok());
+                let num = || {
+                    std::str::from_utf8(value)
+                        .ok()
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                };
                 match key {
                     b"uid" => uid = num().ok_or("bad PAX uid")?,
                     b"gid" => gid = num().ok_or("bad PAX gid")?,
                     b"mtime" => {
                         let v = std::str::from_utf8(value).map_err(|_| "bad PAX mtime")?;
                         let (s, frac) = v.split_once('.').unwrap_or((v, ""));
-                        mtime = s.parse::<i64>().map(|s| s.max(0) as u64).map_err(|_| "bad PAX mtime")?;
+                        mtime = s
+                            .parse::<i64>()
+                            .map(|s| s.max(0) as u64)
+                            .map_err(|_| "bad PAX mtime")?;
                         let digits: String = frac.chars().take(9).collect();
                         mtime_nsec = format!("{digits:0<9}").parse().unwrap_or(0);
                     }
@@ -438,10 +506,15 @@ impl Tree {
             // Hide every lower-layer entry below the opaque directory.
             let mut stack = vec![d];
             while let Some(cur) = stack.pop() {
-                let Some(children) = self.children_mut(cur) else { continue };
+                let Some(children) = self.children_mut(cur) else {
+                    continue;
+                };
                 children.retain(|_, e| e.layer >= st.index);
                 let dirs: Vec<InodeId> = children.values().map(|e| e.inode).collect();
-                stack.extend(dirs.into_iter().filter(|&i| matches!(self.inodes[i].kind, Kind::Dir { .. })));
+                stack.extend(
+                    dirs.into_iter()
+                        .filter(|&i| matches!(self.inodes[i].kind, Kind::Dir { .. })),
+                );
             }
         }
     }
@@ -468,7 +541,11 @@ impl Tree {
                 }
             }
         }
-        Walk { order, parent, links }
+        Walk {
+            order,
+            parent,
+            links,
+        }
     }
 }
 

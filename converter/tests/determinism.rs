@@ -6,7 +6,9 @@ mod common;
 use common::*;
 
 fn layers() -> Vec<Vec<u8>> {
-    let big: Vec<u8> = (0..3_000_000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    let big: Vec<u8> = (0..3_000_000u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
     vec![
         Layer::new()
             .dir("usr", 0o755)
@@ -19,7 +21,12 @@ fn layers() -> Vec<Vec<u8>> {
         Layer::new()
             .file("app/main.py", 0o644, b"print(1)\n")
             .hardlink("app/alias.py", "app/main.py")
-            .file_pax("app/cap", 0o755, b"x", &[("SCHILY.xattr.security.capability", b"\x01\x00\x00\x02")])
+            .file_pax(
+                "app/cap",
+                0o755,
+                b"x",
+                &[("SCHILY.xattr.security.capability", b"\x01\x00\x00\x02")],
+            )
             .tar(),
     ]
 }
@@ -36,7 +43,10 @@ fn same_content_same_digest_whatever_the_compression() {
         assert_eq!(other.0.manifest.env_digest(), d, "{name}");
         assert!(other.1 == plain.1, "{name}: devices differ");
     }
-    assert_eq!(plain.0.diff_ids, gz.0.diff_ids, "diff_ids are of the uncompressed tar");
+    assert_eq!(
+        plain.0.diff_ids, gz.0.diff_ids,
+        "diff_ids are of the uncompressed tar"
+    );
 }
 
 #[test]
@@ -47,7 +57,10 @@ fn the_device_assembled_from_chunks_is_the_raw_device() {
     // The 2 MiB file of zeros is a hole: zero ranges are never stored.
     assert!(out.manifest.stored_bytes() < out.manifest.device_size);
     for e in &out.manifest.extents {
-        assert!(sink.chunks[&e.chunk].iter().any(|&b| b != 0), "an all-zero chunk was stored");
+        assert!(
+            sink.chunks[&e.chunk].iter().any(|&b| b != 0),
+            "an all-zero chunk was stored"
+        );
         assert!(e.length <= 1 << 20, "chunks are at most 1 MiB");
     }
 }
@@ -58,10 +71,18 @@ fn converting_into_a_warm_store_gives_the_same_manifest() {
     let (cold, _, mut sink) = run(&tars).unwrap();
     let puts_before = sink.puts;
     let mut scratch = tempfile::tempfile().unwrap();
-    let inputs = tars.iter().map(|l| amber_converter::LayerInput { name: "l".into(), reader: Box::new(&l[..]) });
-    let warm = amber_converter::convert(inputs, &mut scratch, &mut sink, None, &mut |_| {}).unwrap();
+    let inputs = tars.iter().map(|l| amber_converter::LayerInput {
+        name: "l".into(),
+        reader: Box::new(&l[..]),
+    });
+    let warm =
+        amber_converter::convert(inputs, &mut scratch, &mut sink, None, &mut |_| {}).unwrap();
     assert_eq!(warm.manifest, cold.manifest);
-    assert_eq!(sink.chunks.len() as u64, cold.chunks, "no new chunk on the warm run");
+    assert_eq!(
+        sink.chunks.len() as u64,
+        cold.chunks,
+        "no new chunk on the warm run"
+    );
     assert!(sink.puts > puts_before);
 }
 
@@ -71,13 +92,22 @@ fn one_changed_file_changes_few_chunks() {
     let build = |changed: bool| {
         let mut l = Layer::new();
         for i in 0..200 {
-            let body = if changed && i == 100 { format!("changed {i}") } else { format!("file number {i}\n").repeat(50) };
+            let body = if changed && i == 100 {
+                format!("changed {i}")
+            } else {
+                format!("file number {i}\n").repeat(50)
+            };
             l = l.file(&format!("pkg/m{i:03}.py"), 0o644, body.as_bytes());
         }
         run(&[l.tar()]).unwrap().0.manifest
     };
     let (a, b) = (build(false), build(true));
-    let ids = |m: &amber_converter::manifest::BlockManifest| m.extents.iter().map(|e| e.chunk).collect::<std::collections::HashSet<_>>();
+    let ids = |m: &amber_converter::manifest::BlockManifest| {
+        m.extents
+            .iter()
+            .map(|e| e.chunk)
+            .collect::<std::collections::HashSet<_>>()
+    };
     let (ia, ib) = (ids(&a), ids(&b));
     let new = ib.difference(&ia).count();
     assert!(a.extents.len() > 5, "{} chunks", a.extents.len());

@@ -7,7 +7,10 @@ use amber_converter::tree::{Kind, Tree, TreeError};
 use common::*;
 
 fn p(path: &str) -> Vec<Vec<u8>> {
-    path.split('/').filter(|c| !c.is_empty()).map(|c| c.as_bytes().to_vec()).collect()
+    path.split('/')
+        .filter(|c| !c.is_empty())
+        .map(|c| c.as_bytes().to_vec())
+        .collect()
 }
 
 /// Applies uncompressed tar layers to a fresh tree; returns the tree and the scratch.
@@ -16,15 +19,25 @@ fn apply(layers: &[Vec<u8>]) -> Result<(Tree, Vec<u8>), TreeError> {
     let mut scratch = Vec::new();
     let mut len = 0;
     for (i, l) in layers.iter().enumerate() {
-        t.apply_layer(i as u32, &format!("layer{i}"), &l[..], &mut scratch, &mut len)?;
+        t.apply_layer(
+            i as u32,
+            &format!("layer{i}"),
+            &l[..],
+            &mut scratch,
+            &mut len,
+        )?;
     }
     Ok((t, scratch))
 }
 
 fn content(t: &Tree, scratch: &[u8], path: &str) -> Vec<u8> {
-    let id = t.lookup(&p(path)).unwrap_or_else(|| panic!("{path} missing"));
+    let id = t
+        .lookup(&p(path))
+        .unwrap_or_else(|| panic!("{path} missing"));
     match &t.inodes[id].kind {
-        Kind::File { data } => scratch[data.offset as usize..(data.offset + data.len) as usize].to_vec(),
+        Kind::File { data } => {
+            scratch[data.offset as usize..(data.offset + data.len) as usize].to_vec()
+        }
         other => panic!("{path} is {other:?}"),
     }
 }
@@ -40,9 +53,17 @@ fn err_text(layers: &[Vec<u8>]) -> String {
 fn dot_dot_inside_the_tree_is_resolved_and_escaping_is_refused() {
     let (t, _) = apply(&[Layer::new().raw(&raw_header_data("a/../b", b"x")).tar()]).unwrap();
     assert!(t.lookup(&p("b")).is_some());
-    assert!(t.lookup(&p("a")).is_none(), "the path is cleaned first, as docker's filepath.Clean does");
-    let e = err_text(&[Layer::new().raw(&raw_header("../../etc/evil", b'0', 0)).tar()]);
-    assert!(e.contains("layer0") && e.contains("../../etc/evil") && e.contains("climbs above the root"), "{e}");
+    assert!(
+        t.lookup(&p("a")).is_none(),
+        "the path is cleaned first, as docker's filepath.Clean does"
+    );
+    let e = err_text(&[Layer::new()
+        .raw(&raw_header("../../etc/evil", b'0', 0))
+        .tar()]);
+    assert!(
+        e.contains("layer0") && e.contains("../../etc/evil") && e.contains("climbs above the root"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -53,8 +74,14 @@ fn absolute_paths_are_made_relative() {
 
 #[test]
 fn a_write_through_a_symlink_is_refused() {
-    let e = err_text(&[Layer::new().symlink("link", "/etc").file("link/passwd", 0o644, b"pwned").tar()]);
-    assert!(e.contains("layer0") && e.contains("link/passwd") && e.contains("symlink"), "{e}");
+    let e = err_text(&[Layer::new()
+        .symlink("link", "/etc")
+        .file("link/passwd", 0o644, b"pwned")
+        .tar()]);
+    assert!(
+        e.contains("layer0") && e.contains("link/passwd") && e.contains("symlink"),
+        "{e}"
+    );
     // Also across layers.
     let e = err_text(&[
         Layer::new().symlink("link", "/etc").tar(),
@@ -66,8 +93,14 @@ fn a_write_through_a_symlink_is_refused() {
 #[test]
 fn hard_links_to_missing_or_later_entries_are_refused() {
     let e = err_text(&[Layer::new().hardlink("h", "missing").tar()]);
-    assert!(e.contains("layer0") && e.contains("\"h\"") && e.contains("does not exist"), "{e}");
-    let e = err_text(&[Layer::new().hardlink("h", "later").file("later", 0o644, b"x").tar()]);
+    assert!(
+        e.contains("layer0") && e.contains("\"h\"") && e.contains("does not exist"),
+        "{e}"
+    );
+    let e = err_text(&[Layer::new()
+        .hardlink("h", "later")
+        .file("later", 0o644, b"x")
+        .tar()]);
     assert!(e.contains("does not exist"), "{e}");
     let e = err_text(&[Layer::new().dir("d", 0o755).hardlink("h", "d").tar()]);
     assert!(e.contains("hard link to directory"), "{e}");
@@ -76,13 +109,23 @@ fn hard_links_to_missing_or_later_entries_are_refused() {
 #[test]
 fn hard_links_share_an_inode_also_across_layers() {
     let (t, s) = apply(&[
-        Layer::new().file("a", 0o4755, b"same").hardlink("b", "a").tar(),
-        Layer::new().hardlink("c", "a").file("a", 0o644, b"replaced").tar(),
+        Layer::new()
+            .file("a", 0o4755, b"same")
+            .hardlink("b", "a")
+            .tar(),
+        Layer::new()
+            .hardlink("c", "a")
+            .file("a", 0o644, b"replaced")
+            .tar(),
     ])
     .unwrap();
     let (b, c) = (t.lookup(&p("b")).unwrap(), t.lookup(&p("c")).unwrap());
     assert_eq!(b, c, "b and c are one inode");
-    assert_eq!(content(&t, &s, "c"), b"same", "replacing a keeps the linked inode");
+    assert_eq!(
+        content(&t, &s, "c"),
+        b"same",
+        "replacing a keeps the linked inode"
+    );
     assert_eq!(content(&t, &s, "a"), b"replaced");
     assert_eq!(t.inodes[b].meta.mode, 0o4755);
     let w = t.walk();
@@ -91,7 +134,11 @@ fn hard_links_share_an_inode_also_across_layers() {
 
 #[test]
 fn duplicate_entries_the_later_wins() {
-    let (t, s) = apply(&[Layer::new().file("f", 0o644, b"first").file("f", 0o600, b"second").tar()]).unwrap();
+    let (t, s) = apply(&[Layer::new()
+        .file("f", 0o644, b"first")
+        .file("f", 0o600, b"second")
+        .tar()])
+    .unwrap();
     assert_eq!(content(&t, &s, "f"), b"second");
     assert_eq!(t.inodes[t.lookup(&p("f")).unwrap()].meta.mode, 0o600);
 }
@@ -99,7 +146,12 @@ fn duplicate_entries_the_later_wins() {
 #[test]
 fn whiteouts_and_opaque_directories_hide_lower_layers_only() {
     let (t, _) = apply(&[
-        Layer::new().file("keep", 0o644, b"k").file("gone", 0o644, b"g").file("d/lower", 0o644, b"l").file("d/sub/deep", 0o644, b"x").tar(),
+        Layer::new()
+            .file("keep", 0o644, b"k")
+            .file("gone", 0o644, b"g")
+            .file("d/lower", 0o644, b"l")
+            .file("d/sub/deep", 0o644, b"x")
+            .tar(),
         Layer::new()
             .file(".wh.gone", 0o644, b"")
             .dir("d", 0o755)
@@ -111,17 +163,29 @@ fn whiteouts_and_opaque_directories_hide_lower_layers_only() {
     .unwrap();
     assert!(t.lookup(&p("keep")).is_some());
     assert!(t.lookup(&p("gone")).is_none());
-    assert!(t.lookup(&p("d/lower")).is_none(), "opaque hides lower entries");
+    assert!(
+        t.lookup(&p("d/lower")).is_none(),
+        "opaque hides lower entries"
+    );
     assert!(t.lookup(&p("d/upper")).is_some());
     assert!(t.lookup(&p("d/sub/new")).is_some());
-    assert!(t.lookup(&p("d/sub/deep")).is_none(), "opaque hides lower entries below too");
-    assert!(t.lookup(&p(".wh.gone")).is_none(), "whiteout files are not content");
+    assert!(
+        t.lookup(&p("d/sub/deep")).is_none(),
+        "opaque hides lower entries below too"
+    );
+    assert!(
+        t.lookup(&p(".wh.gone")).is_none(),
+        "whiteout files are not content"
+    );
 }
 
 #[test]
 fn a_whiteout_of_dot_dot_is_refused() {
     let e = err_text(&[Layer::new().raw(&raw_header("a/.wh...", b'0', 0)).tar()]);
-    assert!(e.contains("layer0") && e.contains("a/.wh...") && e.contains("whiteout"), "{e}");
+    assert!(
+        e.contains("layer0") && e.contains("a/.wh...") && e.contains("whiteout"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -137,7 +201,11 @@ fn a_tar_declaring_a_huge_size_is_a_truncated_layer() {
 fn a_path_64_kib_deep_is_refused() {
     let deep = "a/".repeat(32 * 1024) + "f";
     let e = err_text(&[Layer::new().file(&deep, 0o644, b"x").tar()]);
-    assert!(e.contains("layer0") && e.contains("the limit is 4096"), "{}", &e[e.len().saturating_sub(200)..]);
+    assert!(
+        e.contains("layer0") && e.contains("the limit is 4096"),
+        "{}",
+        &e[e.len().saturating_sub(200)..]
+    );
 }
 
 #[test]
@@ -163,17 +231,34 @@ fn special_files_names_and_owners_are_kept() {
         .file_owned("big-ids", 0o644, 100_000, 4_000_000_000, b"x")
         .file(&long, 0o644, b"long")
         .raw(&raw_header_bytes(b"caf\xe9-latin1", b"x"))
-        .file_pax("cap", 0o755, b"bin", &[("SCHILY.xattr.security.capability", b"\x01\x00\x00\x02"), ("SCHILY.xattr.user.k", b"v")])
+        .file_pax(
+            "cap",
+            0o755,
+            b"bin",
+            &[
+                ("SCHILY.xattr.security.capability", b"\x01\x00\x00\x02"),
+                ("SCHILY.xattr.user.k", b"v"),
+            ],
+        )
         .tar()])
     .unwrap();
-    assert!(matches!(t.inodes[t.lookup(&p("dev/null")).unwrap()].kind, Kind::CharDev { major: 1, minor: 3 }));
-    assert!(matches!(t.inodes[t.lookup(&p("dev/sda")).unwrap()].kind, Kind::BlockDev { major: 8, minor: 0 }));
+    assert!(matches!(
+        t.inodes[t.lookup(&p("dev/null")).unwrap()].kind,
+        Kind::CharDev { major: 1, minor: 3 }
+    ));
+    assert!(matches!(
+        t.inodes[t.lookup(&p("dev/sda")).unwrap()].kind,
+        Kind::BlockDev { major: 8, minor: 0 }
+    ));
     let m = &t.inodes[t.lookup(&p("big-ids")).unwrap()].meta;
     assert_eq!((m.uid, m.gid), (100_000, 4_000_000_000));
     assert!(t.lookup(&p(&long)).is_some());
     assert!(t.lookup(&[b"caf\xe9-latin1".to_vec()]).is_some());
     let x = &t.inodes[t.lookup(&p("cap")).unwrap()].meta.xattrs;
-    assert_eq!(x.get(&b"security.capability"[..]).map(|v| &v[..]), Some(&b"\x01\x00\x00\x02"[..]));
+    assert_eq!(
+        x.get(&b"security.capability"[..]).map(|v| &v[..]),
+        Some(&b"\x01\x00\x00\x02"[..])
+    );
     assert_eq!(x.get(&b"user.k"[..]).map(|v| &v[..]), Some(&b"v"[..]));
 }
 
@@ -191,13 +276,17 @@ fn a_directory_with_a_million_entries_converts() {
             h.set_mtime(0);
             h.set_uid(0);
             h.set_gid(0);
-            b.append_data(&mut h, format!("big/f{i:07}"), std::io::empty()).unwrap();
+            b.append_data(&mut h, format!("big/f{i:07}"), std::io::empty())
+                .unwrap();
         }
         b.finish().unwrap();
     });
     let mut sink = MemSink::default();
     let mut scratch = tempfile::tempfile().unwrap();
-    let layers = vec![amber_converter::LayerInput { name: "million".into(), reader: Box::new(reader) }];
+    let layers = vec![amber_converter::LayerInput {
+        name: "million".into(),
+        reader: Box::new(reader),
+    }];
     let out = amber_converter::convert(layers, &mut scratch, &mut sink, None, &mut |_| {}).unwrap();
     producer.join().unwrap();
     assert_eq!(out.inodes, 1_000_002, "root, big/ and a million files");

@@ -39,6 +39,7 @@ pub struct FileConfig {
     pub upload_ttl_secs: Option<u64>,
     pub max_manifest_bytes: Option<usize>,
     pub immutable_tags: Option<Vec<String>>,
+    pub convert_workers: Option<usize>,
 }
 
 /// Flags of `amber-registry serve` (and fsck), each also an `AMBER_*` variable.
@@ -79,6 +80,9 @@ pub struct ConfigArgs {
     /// `/*` or `*`. Comma separated.
     #[arg(long, env = "AMBER_IMMUTABLE_TAGS", value_delimiter = ',')]
     pub immutable_tags: Option<Vec<String>>,
+    /// Images converted at once (0 queues conversions without running them).
+    #[arg(long, env = "AMBER_CONVERT_WORKERS")]
+    pub convert_workers: Option<usize>,
 }
 
 /// The resolved configuration.
@@ -93,6 +97,7 @@ pub struct Config {
     pub upload_ttl_secs: u64,
     pub max_manifest_bytes: usize,
     pub immutable_tags: Vec<String>,
+    pub convert_workers: usize,
 }
 
 impl Default for Config {
@@ -107,6 +112,9 @@ impl Default for Config {
             upload_ttl_secs: 24 * 3600,
             max_manifest_bytes: 4 * 1024 * 1024,
             immutable_tags: Vec::new(),
+            convert_workers: std::thread::available_parallelism()
+                .map(|n| n.get().div_ceil(2))
+                .unwrap_or(1),
         }
     }
 }
@@ -172,6 +180,10 @@ impl ConfigArgs {
                 .clone()
                 .or(file.immutable_tags)
                 .unwrap_or_default(),
+            convert_workers: self
+                .convert_workers
+                .or(file.convert_workers)
+                .unwrap_or(d.convert_workers),
         };
         if cfg.auth != "none" {
             return Err(ConfigError::Invalid(format!(

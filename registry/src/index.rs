@@ -16,6 +16,9 @@
 //! - `repo_blobs` name \0 digest            -> empty
 //! - `referrers`  name \0 subject \0 digest -> descriptor (JSON)
 //! - `uploads`    session id                -> UploadSession
+//! - `conversions` image digest             -> Conversion (state of its conversion)
+//! - `image_envs` image digest              -> env digest (written once, never changed)
+//! - `chunks`     chunk id                  -> stored (compressed) size, u64 LE
 
 use std::path::Path;
 use std::sync::Mutex;
@@ -28,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use crate::digest::Digest;
 use crate::names::{RepoName, Tag};
 
-const CFS: [&str; 7] = [
+const CFS: [&str; 10] = [
     "repos",
     "tags",
     "manifests",
@@ -36,6 +39,9 @@ const CFS: [&str; 7] = [
     "repo_blobs",
     "referrers",
     "uploads",
+    "conversions",
+    "image_envs",
+    "chunks",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -72,6 +78,25 @@ pub struct UploadSession {
     pub offset: u64,
     pub created_unix: u64,
     pub updated_unix: u64,
+}
+
+/// Where an image's conversion to a block device stands.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Conversion {
+    pub repo: String,
+    pub state: ConversionState,
+    pub error: Option<String>,
+    pub env_digest: Option<String>,
+    pub updated_unix: u64,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ConversionState {
+    Queued,
+    Running,
+    Done,
+    Failed,
 }
 
 /// One manifest push, written atomically.
@@ -331,6 +356,86 @@ impl Index {
             );
         }
         Ok(out)
+    }
+
+    pub fn conversion(&self, image: &Digest) -> Result<Option<Conversion>, IndexError> {
+        self.get_json("conversions", image.to_string().as_bytes())
+    }
+
+    pub fn put_conversion(&self, image: &Digest, c: &Conversion) -> Result<(), IndexError> {
+        self.db.put_cf_opt(
+            self.cf("conversions"),
+            image.to_string(),
+            serde_json::to_vec(c).expect("conversion serializes"),
+            &synced(),
+        )?;
+        Ok(())
+    }
+
+    /// Every conversion record (for resuming unfinished ones after a restart).
+    pub fn conversions(&self) -> Result<Vec<(Digest, Conversion)>, IndexError> {
+        let mut out = Vec::new();
+        for item in self
+            .db
+            .iterator_cf(self.cf("conversions"), IteratorMode::Start)
+        {
+            let (k, v) = item?;
+            let key = String::from_utf8_lossy(&k).into_owned();
+            let Ok(d) = key.parse::<Digest>() else {
+                continue;
+            };
+            let c =
+                serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt { key, source })?;
+            out.push((d, c));
+        }
+        Ok(out)
+    }
+
+    /// The env digest of an image, once it has one.
+    pub fn image_env(&self, image: &Digest) -> Result<Option<String>, IndexError> {
+        Ok(self
+            .db
+            .get_pinned_cf(self.cf("image_envs"), image.to_string())?
+            .map(|v| String::from_utf8_lossy(&v).into_owned()))
+    }
+
+    /// Records the image -> env mapping and marks the conversion done, atomically. The
+    /// mapping is written once: if one exists already it is kept and returned.
+    pub fn finish_conversion(
+        &self,
+        image: &Digest,
+        env: &str,
+        c: &Conversion,
+    ) -> Result<String, IndexError> {
+        let _guard = self.tag_lock.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(existing) = self.image_env(image)? {
+            return Ok(existing);
+        }
+        let mut b = WriteBatch::default();
+        b.put_cf(self.cf("image_envs"), image.to_string(), env.as_bytes());
+        b.put_cf(
+            self.cf("conversions"),
+            image.to_string(),
+            serde_json::to_vec(c).expect("json"),
+        );
+        self.db.write_opt(b, &synced())?;
+        Ok(env.to_string())
+    }
+
+    /// The stored size of a chunk, if the store has it.
+    pub fn chunk(&self, id: &str) -> Result<Option<u64>, IndexError> {
+        Ok(self
+            .db
+            .get_pinned_cf(self.cf("chunks"), id)?
+            .and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
+            .map(u64::from_le_bytes))
+    }
+
+    pub fn put_chunk(&self, id: &str, stored: u64) -> Result<(), IndexError> {
+        // Not synced on its own: a lost entry only means the chunk is stat-ed again.
+        self.db
+            .put_cf(self.cf("chunks"), id, stored.to_le_bytes())?;
+        Ok(())
     }
 
     pub fn put_upload(&self, id: &str, s: &UploadSession) -> Result<(), IndexError> {

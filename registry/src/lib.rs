@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod config;
+pub mod convert;
 pub mod digest;
 pub mod error;
 pub mod fsck;

@@ -48,6 +48,8 @@ pub struct Registry {
     pub index: Index,
     pub store: Arc<dyn ObjectStore>,
     sessions: Mutex<HashMap<String, SessionLock>>,
+    /// Bounds the conversions running at once.
+    pub convert_slots: Arc<tokio::sync::Semaphore>,
 }
 
 pub fn now_unix() -> u64 {
@@ -60,6 +62,7 @@ pub fn now_unix() -> u64 {
 impl Registry {
     pub fn new(config: Config, index: Index, store: Arc<dyn ObjectStore>) -> Registry {
         Registry {
+            convert_slots: Arc::new(tokio::sync::Semaphore::new(config.convert_workers.max(1))),
             config,
             index,
             store,

@@ -46,6 +46,10 @@ pub async fn serve(reg: Arc<Registry>, listener: TcpListener) -> anyhow::Result<
             tracing::info!(removed, "removed temporary objects of interrupted writes");
         }
     }
+    let resumed = crate::convert::resume(&reg).context("resuming conversions")?;
+    if resumed > 0 {
+        tracing::info!(resumed, "resumed unfinished conversions");
+    }
     let expiry = reg.clone();
     tokio::spawn(async move {
         let every = Duration::from_secs((expiry.config.upload_ttl_secs / 4).clamp(1, 600));

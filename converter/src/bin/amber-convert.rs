@@ -13,7 +13,11 @@ use amber_converter::manifest::{BlockManifest, ManifestEnvelope, Provenance};
 use amber_converter::{convert, oci, LayerInput};
 
 #[derive(Parser)]
-#[command(name = "amber-convert", version, about = "Convert an OCI image into an amber block image")]
+#[command(
+    name = "amber-convert",
+    version,
+    about = "Convert an OCI image into an amber block image"
+)]
 struct Cli {
     /// An OCI image layout directory, or a docker-archive tar (`docker save`).
     source: PathBuf,
@@ -50,15 +54,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     };
     let mut layers = Vec::new();
     for (name, path) in &image.layers {
-        let f = std::fs::File::open(path).with_context(|| format!("opening layer {}", path.display()))?;
-        layers.push(LayerInput { name: name.clone(), reader: Box::new(f) });
+        let f = std::fs::File::open(path)
+            .with_context(|| format!("opening layer {}", path.display()))?;
+        layers.push(LayerInput {
+            name: name.clone(),
+            reader: Box::new(f),
+        });
     }
     std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
     let chunk_dir = cli.out.join("chunks");
     let mut sink = DirChunkSink::new(&chunk_dir, cli.level)?;
     let mut scratch = tempfile::tempfile_in(work.path()).context("creating the scratch file")?;
     let mut raw = match &cli.raw {
-        Some(p) => Some(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?),
+        Some(p) => {
+            Some(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)
+        }
         None => None,
     };
     let tty = std::io::stderr().is_terminal();
@@ -71,11 +81,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         layers,
         &mut scratch,
         &mut sink,
-        raw.as_mut().map(|f| f as &mut dyn amber_converter::chunk::RawSink),
+        raw.as_mut()
+            .map(|f| f as &mut dyn amber_converter::chunk::RawSink),
         &mut progress,
     )?;
     if let (Some(f), Some(p)) = (&raw, &cli.raw) {
-        f.set_len(out.manifest.device_size).with_context(|| format!("sizing {}", p.display()))?;
+        f.set_len(out.manifest.device_size)
+            .with_context(|| format!("sizing {}", p.display()))?;
     }
     let env = out.manifest.env_digest();
     let envelope = ManifestEnvelope {
@@ -87,7 +99,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             converter: format!("amber-convert {}", env!("CARGO_PKG_VERSION")),
         },
     };
-    std::fs::write(cli.out.join("manifest.json"), serde_json::to_vec_pretty(&envelope)?)?;
+    std::fs::write(
+        cli.out.join("manifest.json"),
+        serde_json::to_vec_pretty(&envelope)?,
+    )?;
     if cli.verify {
         verify(&out.manifest, &chunk_dir)?;
     }
@@ -108,9 +123,11 @@ fn verify(m: &BlockManifest, dir: &std::path::Path) -> anyhow::Result<()> {
     for e in &m.extents {
         let path = DirChunkSink::path(dir, &e.chunk);
         let z = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-        let data = zstd::bulk::decompress(&z, e.length as usize).with_context(|| format!("decompressing {}", path.display()))?;
+        let data = zstd::bulk::decompress(&z, e.length as usize)
+            .with_context(|| format!("decompressing {}", path.display()))?;
         anyhow::ensure!(
-            amber_converter::manifest::ChunkId::of(&data) == e.chunk && data.len() as u64 == e.length,
+            amber_converter::manifest::ChunkId::of(&data) == e.chunk
+                && data.len() as u64 == e.length,
             "chunk {} is corrupt",
             e.chunk
         );

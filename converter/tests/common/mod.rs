@@ -6,7 +6,7 @@ use std::io::{self, Write};
 
 use amber_converter::chunk::ChunkSink;
 use amber_converter::manifest::ChunkId;
-use amber_converter::{convert, Converted, ConvertError, LayerInput};
+use amber_converter::{convert, ConvertError, Converted, LayerInput};
 
 #[derive(Default, Debug)]
 pub struct MemSink {
@@ -91,7 +91,9 @@ impl Layer {
 
     /// A regular file with PAX records (xattrs as SCHILY.xattr.*).
     pub fn file_pax(mut self, path: &str, mode: u32, data: &[u8], pax: &[(&str, &[u8])]) -> Layer {
-        self.0.append_pax_extensions(pax.iter().map(|(k, v)| (*k, *v))).unwrap();
+        self.0
+            .append_pax_extensions(pax.iter().map(|(k, v)| (*k, *v)))
+            .unwrap();
         self.file(path, mode, data)
     }
 

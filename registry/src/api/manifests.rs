@@ -314,6 +314,7 @@ pub async fn put(
         referrer,
     })?;
     tracing::info!(repo = %name, reference = %r, %digest, media_type = %parsed.media_type, "manifest pushed");
+    crate::convert::on_manifest_pushed(reg, &name, &digest, &bytes, &parsed.media_type);
     let mut resp = (
         StatusCode::CREATED,
         [

@@ -3,6 +3,7 @@
 //! Repository names contain `/`, so every `/v2/` request goes through one dispatcher
 //! that parses the path with `names::Route` and picks the handler by method and route.
 
+mod amber;
 mod blobs;
 mod listing;
 pub mod manifests;
@@ -38,6 +39,11 @@ pub fn router(registry: AppState) -> Router {
 }
 
 async fn dispatch(State(reg): State<AppState>, req: Request) -> Response {
+    if req.uri().path().starts_with("/amber/") {
+        return amber::dispatch(&reg, req)
+            .await
+            .unwrap_or_else(IntoResponse::into_response);
+    }
     let route = match Route::parse(req.uri().path()) {
         Ok(r) => r,
         Err(e) => return ApiError::from(e).into_response(),
@@ -82,6 +88,13 @@ async fn observe(req: Request, next: Next) -> Response {
     let path = req.uri().path().to_string();
     let route = if path == "/metrics" {
         "metrics"
+    } else if let Some(rest) = path.strip_prefix("/amber/v1/") {
+        match rest.split('/').next() {
+            Some("resolve") => "amber_resolve",
+            Some("envs") => "amber_env",
+            Some("chunks") => "amber_chunk",
+            _ => "unknown",
+        }
     } else {
         Route::parse(&path).map(|r| r.label()).unwrap_or("unknown")
     };

@@ -327,10 +327,15 @@ impl ObjectStore for FsStore {
         let prefix = prefix.to_string();
         tokio::task::spawn_blocking(move || {
             let mut out = Vec::new();
-            let mut stack = vec![root.join("blobs")];
+            let top = prefix.split('/').next().unwrap_or("");
+            if top.is_empty() || top.starts_with('_') || top.contains("..") {
+                return Ok(Vec::new());
+            }
+            let mut stack = vec![root.join(top)];
             while let Some(dir) = stack.pop() {
                 let rd = match std::fs::read_dir(&dir) {
                     Ok(rd) => rd,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                     Err(e) => return Err(StoreError::io(dir.display().to_string(), e)),
                 };
                 for e in rd {

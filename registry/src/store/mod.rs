@@ -44,6 +44,18 @@ impl ObjectKey {
         ))
     }
 
+    /// The key of a chunk (zstd bytes) named by the blake3 of its uncompressed bytes.
+    pub fn chunk(id: &amber_converter::manifest::ChunkId) -> ObjectKey {
+        let hex = id.hex();
+        ObjectKey(format!("chunks/blake3/{}/{hex}", &hex[..2]))
+    }
+
+    /// The key of a block manifest envelope, named by its env digest.
+    pub fn env(env: &amber_converter::manifest::EnvDigest) -> ObjectKey {
+        let hex = env.hex();
+        ObjectKey(format!("envs/blake3/{}/{hex}", &hex[..2]))
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }

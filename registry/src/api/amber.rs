@@ -1,0 +1,188 @@
+//! The amber API under `/amber/v1/`, read by runners:
+//! - `GET /amber/v1/resolve/<name>/<tag-or-digest>` -> image digest, env digest, state;
+//! - `GET /amber/v1/envs/<env-digest>` -> the block manifest envelope (immutable);
+//! - `GET|HEAD /amber/v1/chunks/<chunk-id>` -> zstd bytes (immutable, Range).
+
+use amber_converter::manifest::{ChunkId, EnvDigest};
+use axum::extract::Request;
+use axum::http::{header, Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Value};
+
+use super::{counted_body, header_str, AppState};
+use crate::digest::Digest;
+use crate::error::{ApiError, ApiResult};
+use crate::names::{Reference, RepoName};
+use crate::store::ObjectKey;
+
+const IMMUTABLE: &str = "public, max-age=31536000, immutable";
+
+pub async fn dispatch(reg: &AppState, req: Request) -> ApiResult<Response> {
+    let path = req.uri().path().to_string();
+    let rest = path.strip_prefix("/amber/v1/").ok_or_else(not_found)?;
+    let head = req.method() == Method::HEAD;
+    if req.method() != Method::GET && !head {
+        drop(req);
+        return Err(ApiError::unsupported("the amber API is read-only"));
+    }
+    if let Some(r) = rest.strip_prefix("resolve/") {
+        let (name, reference) = r.rsplit_once('/').ok_or_else(not_found)?;
+        return resolve(reg, RepoName::parse(name)?, Reference::parse(reference)?).await;
+    }
+    if let Some(d) = rest.strip_prefix("envs/") {
+        let env: EnvDigest = d
+            .parse()
+            .map_err(|e: amber_converter::manifest::BadBlake3| {
+                ApiError::digest_invalid(e.to_string())
+            })?;
+        return env_manifest(reg, env).await;
+    }
+    if let Some(c) = rest.strip_prefix("chunks/") {
+        let id: ChunkId = c
+            .parse()
+            .map_err(|e: amber_converter::manifest::BadBlake3| {
+                ApiError::digest_invalid(e.to_string())
+            })?;
+        let range = header_str(req.headers(), header::RANGE).map(str::to_string);
+        return chunk(reg, id, range.as_deref(), head).await;
+    }
+    Err(not_found())
+}
+
+fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "NOT_FOUND",
+        "no such amber API endpoint",
+    )
+}
+
+async fn resolve(reg: &AppState, name: RepoName, r: Reference) -> ApiResult<Response> {
+    let digest = match &r {
+        Reference::Digest(d) => d.clone(),
+        Reference::Tag(t) => reg
+            .index
+            .tag(&name, t)?
+            .ok_or_else(|| ApiError::manifest_unknown(format!("{name}:{t}")))?,
+    };
+    let rec = reg
+        .index
+        .manifest(&name, &digest)?
+        .ok_or_else(|| ApiError::manifest_unknown(format!("{name}@{digest}")))?;
+    // An index resolves to its linux/amd64 image.
+    let mut image = digest.clone();
+    if rec.media_type.contains("index") || rec.media_type.contains("list") {
+        let bytes = reg.store.read_all(&ObjectKey::blob(&digest)).await?;
+        let v: Value =
+            serde_json::from_slice(&bytes).map_err(|e| ApiError::internal("stored index", e))?;
+        image = v["manifests"]
+            .as_array()
+            .and_then(|ms| {
+                ms.iter().find(|m| {
+                    m["platform"]["os"] == "linux" && m["platform"]["architecture"] == "amd64"
+                })
+            })
+            .and_then(|m| m["digest"].as_str())
+            .and_then(|d| d.parse::<Digest>().ok())
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "MANIFEST_UNKNOWN",
+                    format!("index {digest} has no linux/amd64 image"),
+                )
+            })?;
+    }
+    let env = reg.index.image_env(&image)?;
+    let conv = reg.index.conversion(&image)?;
+    let state = match (&env, &conv) {
+        (Some(_), _) => "done".to_string(),
+        (None, Some(c)) => serde_json::to_value(c.state)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default(),
+        (None, None) => "none".to_string(),
+    };
+    let body = json!({
+        "name": name.as_str(),
+        "reference": r.to_string(),
+        "manifest_digest": digest.to_string(),
+        "image_digest": image.to_string(),
+        "env_digest": env,
+        "state": state,
+        "error": conv.and_then(|c| c.error),
+    });
+    Ok((StatusCode::OK, axum::Json(body)).into_response())
+}
+
+async fn env_manifest(reg: &AppState, env: EnvDigest) -> ApiResult<Response> {
+    let key = ObjectKey::env(&env);
+    let bytes = match reg.store.read_all(&key).await {
+        Ok(b) => b,
+        Err(crate::store::StoreError::NotFound(_)) => {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "ENV_UNKNOWN",
+                format!("env {env} is not in this registry"),
+            ))
+        }
+        Err(e) => return Err(e.into()),
+    };
+    Ok((
+        StatusCode::OK,
+        [
+            (
+                header::CONTENT_TYPE,
+                crate::convert::BLOCK_MANIFEST_TYPE.to_string(),
+            ),
+            (header::CACHE_CONTROL, IMMUTABLE.to_string()),
+            (header::ETAG, format!("\"{env}\"")),
+        ],
+        bytes,
+    )
+        .into_response())
+}
+
+async fn chunk(
+    reg: &AppState,
+    id: ChunkId,
+    range: Option<&str>,
+    head: bool,
+) -> ApiResult<Response> {
+    let key = ObjectKey::chunk(&id);
+    let size = reg.store.stat(&key).await?.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "CHUNK_UNKNOWN",
+            format!("chunk {id} is not in this registry"),
+        )
+    })?;
+    let range = super::blobs::parse_range(range, size).map_err(|msg| {
+        ApiError::new(StatusCode::RANGE_NOT_SATISFIABLE, "RANGE_INVALID", msg)
+            .with_header(header::CONTENT_RANGE, &format!("bytes */{size}"))
+    })?;
+    let (status, r) = match range {
+        Some(r) => (StatusCode::PARTIAL_CONTENT, r),
+        None => (StatusCode::OK, 0..size),
+    };
+    let mut b = Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/zstd")
+        .header(header::CONTENT_LENGTH, r.end - r.start)
+        .header(header::ACCEPT_RANGES, "bytes")
+        .header(header::CACHE_CONTROL, IMMUTABLE)
+        .header(header::ETAG, format!("\"{id}\""));
+    if status == StatusCode::PARTIAL_CONTENT {
+        b = b.header(
+            header::CONTENT_RANGE,
+            format!("bytes {}-{}/{size}", r.start, r.end - 1),
+        );
+    }
+    let body = if head {
+        axum::body::Body::empty()
+    } else {
+        counted_body(reg.store.read(&key, r).await?)
+    };
+    Ok(b.body(body)
+        .map_err(|e| ApiError::internal("response", e))?
+        .into_response())
+}

@@ -1,0 +1,345 @@
+//! Conversion on push: every pushed image manifest (or the linux/amd64 entry of an index)
+//! becomes a block device, in a bounded pool of workers.
+//!
+//! Invariants kept here:
+//! - an image's state (queued, running, done, failed + error) is in the index, so it
+//!   survives a restart, and unfinished conversions are resumed at startup;
+//! - the mapping image digest -> env digest is written once; an image that has one is
+//!   never converted again, whatever the converter version;
+//! - a chunk already in the store is not written again;
+//! - the block manifest envelope is stored under its env digest and published as an OCI
+//!   referrer of the image manifest (artifactType `application/vnd.amber.block-manifest.v1+json`).
+
+use std::io::{self, Read};
+use std::sync::Arc;
+
+use amber_converter::chunk::ChunkSink;
+use amber_converter::manifest::{ChunkId, ManifestEnvelope, Provenance};
+use amber_converter::LayerInput;
+use bytes::Bytes;
+use serde_json::{json, Value};
+use tokio::runtime::Handle;
+use tokio_util::io::{StreamReader, SyncIoBridge};
+
+use crate::api::manifests::{parse_manifest, ManifestKind};
+use crate::digest::{Algorithm, Digest};
+use crate::index::{Conversion, ConversionState, ManifestRecord, ManifestWrite};
+use crate::names::RepoName;
+use crate::registry::{now_unix, Registry};
+use crate::store::{ObjectKey, ObjectStore};
+
+pub const BLOCK_MANIFEST_TYPE: &str = "application/vnd.amber.block-manifest.v1+json";
+const EMPTY_TYPE: &str = "application/vnd.oci.empty.v1+json";
+pub const ENV_ANNOTATION: &str = "dev.amber.env-digest";
+
+pub const CONVERSIONS_STARTED: &str = "amber_conversions_started_total";
+pub const CONVERSIONS_FAILED: &str = "amber_conversions_failed_total";
+pub const CHUNKS_WRITTEN: &str = "amber_chunks_written_total";
+pub const CHUNKS_EXISTING: &str = "amber_chunks_existing_total";
+
+/// Image config media types whose manifests are container images (others are artifacts).
+fn is_image_config(media_type: &str) -> bool {
+    matches!(
+        media_type,
+        "application/vnd.oci.image.config.v1+json"
+            | "application/vnd.docker.container.image.v1+json"
+    )
+}
+
+/// Decides what a pushed manifest means for conversion; queues the image if needed.
+pub fn on_manifest_pushed(
+    reg: &Arc<Registry>,
+    repo: &RepoName,
+    digest: &Digest,
+    bytes: &[u8],
+    media_type: &str,
+) {
+    let Ok(parsed) = parse_manifest(bytes, Some(media_type)) else {
+        return;
+    };
+    let target = match parsed.kind {
+        ManifestKind::Image => {
+            let config_ok = parsed
+                .blobs
+                .first()
+                .is_some_and(|c| is_image_config(&c.media_type));
+            if !config_ok || parsed.subject.is_some() {
+                return; // an artifact, not a container image
+            }
+            digest.clone()
+        }
+        ManifestKind::Index => {
+            let v: Value = serde_json::from_slice(bytes).unwrap_or(Value::Null);
+            let Some(child) = v["manifests"].as_array().and_then(|ms| {
+                ms.iter().find(|m| {
+                    m["platform"]["os"] == "linux" && m["platform"]["architecture"] == "amd64"
+                })
+            }) else {
+                return;
+            };
+            match child["digest"].as_str().and_then(|d| d.parse().ok()) {
+                Some(d) => d,
+                None => return,
+            }
+        }
+    };
+    if let Err(e) = enqueue(reg, repo, &target) {
+        tracing::error!(error = %e, image = %target, "queueing conversion");
+    }
+}
+
+/// Queues `image` unless it has an env digest or is queued or running already.
+pub fn enqueue(reg: &Arc<Registry>, repo: &RepoName, image: &Digest) -> anyhow::Result<()> {
+    if reg.index.image_env(image)?.is_some() {
+        return Ok(());
+    }
+    if let Some(c) = reg.index.conversion(image)? {
+        if matches!(c.state, ConversionState::Queued | ConversionState::Running) {
+            return Ok(());
+        }
+    }
+    let c = Conversion {
+        repo: repo.to_string(),
+        state: ConversionState::Queued,
+        error: None,
+        env_digest: None,
+        updated_unix: now_unix(),
+    };
+    reg.index.put_conversion(image, &c)?;
+    spawn(reg.clone(), image.clone());
+    Ok(())
+}
+
+/// Re-queues conversions that a restart interrupted.
+pub fn resume(reg: &Arc<Registry>) -> anyhow::Result<usize> {
+    let mut n = 0;
+    for (image, c) in reg.index.conversions()? {
+        if matches!(c.state, ConversionState::Queued | ConversionState::Running)
+            && reg.index.image_env(&image)?.is_none()
+        {
+            spawn(reg.clone(), image);
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+fn spawn(reg: Arc<Registry>, image: Digest) {
+    if reg.config.convert_workers == 0 {
+        return; // conversion disabled: stays queued until a restart with workers
+    }
+    tokio::spawn(async move {
+        let Ok(_permit) = reg.convert_slots.clone().acquire_owned().await else {
+            return;
+        };
+        let Ok(Some(mut c)) = reg.index.conversion(&image) else {
+            return;
+        };
+        if reg.index.image_env(&image).ok().flatten().is_some() {
+            return;
+        }
+        c.state = ConversionState::Running;
+        c.updated_unix = now_unix();
+        let _ = reg.index.put_conversion(&image, &c);
+        metrics::counter!(CONVERSIONS_STARTED).increment(1);
+        tracing::info!(%image, repo = %c.repo, "conversion started");
+        let handle = Handle::current();
+        let job_reg = reg.clone();
+        let job_image = image.clone();
+        let repo = c.repo.clone();
+        let result = tokio::task::spawn_blocking(move || {
+            convert_image(&job_reg, &handle, &repo, &job_image)
+        })
+        .await
+        .unwrap_or_else(|e| Err(anyhow::anyhow!("conversion task panicked: {e}")));
+        match result {
+            Ok(env) => {
+                c.state = ConversionState::Done;
+                c.env_digest = Some(env.clone());
+                c.error = None;
+                c.updated_unix = now_unix();
+                match reg.index.finish_conversion(&image, &env, &c) {
+                    Ok(_) => tracing::info!(%image, %env, "conversion done"),
+                    Err(e) => tracing::error!(%image, error = %e, "recording conversion"),
+                }
+            }
+            Err(e) => {
+                metrics::counter!(CONVERSIONS_FAILED).increment(1);
+                tracing::warn!(%image, error = %format!("{e:#}"), "conversion failed");
+                c.state = ConversionState::Failed;
+                c.error = Some(format!("{e:#}"));
+                c.updated_unix = now_unix();
+                let _ = reg.index.put_conversion(&image, &c);
+            }
+        }
+    });
+}
+
+/// A blocking reader over a stored object.
+fn object_reader(
+    store: &Arc<dyn ObjectStore>,
+    handle: &Handle,
+    key: ObjectKey,
+    size: u64,
+) -> anyhow::Result<impl Read> {
+    let stream = handle.block_on(store.read(&key, 0..size))?;
+    Ok(SyncIoBridge::new_with_handle(
+        StreamReader::new(stream),
+        handle.clone(),
+    ))
+}
+
+/// Chunks go to the object store, zstd-compressed, unless the index says they exist.
+struct StoreSink<'a> {
+    reg: &'a Registry,
+    handle: &'a Handle,
+    level: i32,
+}
+
+impl ChunkSink for StoreSink<'_> {
+    fn put(&mut self, id: ChunkId, data: &[u8]) -> io::Result<()> {
+        let name = id.to_string();
+        if self
+            .reg
+            .index
+            .chunk(&name)
+            .map_err(io::Error::other)?
+            .is_some()
+        {
+            metrics::counter!(CHUNKS_EXISTING).increment(1);
+            return Ok(());
+        }
+        let key = ObjectKey::chunk(&id);
+        let compressed = zstd::bulk::compress(data, self.level)?;
+        let size = compressed.len() as u64;
+        self.handle
+            .block_on(self.reg.store.put(&key, Bytes::from(compressed)))
+            .map_err(io::Error::other)?;
+        self.reg
+            .index
+            .put_chunk(&name, size)
+            .map_err(io::Error::other)?;
+        metrics::counter!(CHUNKS_WRITTEN).increment(1);
+        Ok(())
+    }
+}
+
+/// Converts one stored image manifest; returns its env digest.
+fn convert_image(
+    reg: &Arc<Registry>,
+    handle: &Handle,
+    repo: &str,
+    image: &Digest,
+) -> anyhow::Result<String> {
+    let repo = RepoName::parse(repo)?;
+    let bytes = handle.block_on(reg.store.read_all(&ObjectKey::blob(image)))?;
+    let v: Value = serde_json::from_slice(&bytes)?;
+    let layers = v["layers"].as_array().cloned().unwrap_or_default();
+    let mut inputs = Vec::new();
+    for l in &layers {
+        let d: Digest = l["digest"].as_str().unwrap_or_default().parse()?;
+        let size = reg.index.blob_size(&d)?.ok_or_else(|| {
+            anyhow::anyhow!(
+                "layer {d} is not stored (non-distributable layers cannot be converted)"
+            )
+        })?;
+        inputs.push(LayerInput {
+            name: d.to_string(),
+            reader: Box::new(object_reader(
+                &reg.store,
+                handle,
+                ObjectKey::blob(&d),
+                size,
+            )?),
+        });
+    }
+    let scratch_dir = reg.config.data.join("tmp");
+    std::fs::create_dir_all(&scratch_dir)?;
+    let mut scratch = tempfile::tempfile_in(&scratch_dir)?;
+    let mut sink = StoreSink {
+        reg,
+        handle,
+        level: 3,
+    };
+    let out = amber_converter::convert(inputs, &mut scratch, &mut sink, None, &mut |_| {})?;
+    let env = out.manifest.env_digest();
+    let envelope = ManifestEnvelope {
+        env_digest: env,
+        manifest: out.manifest,
+        provenance: Provenance {
+            image: Some(image.to_string()),
+            diff_ids: out.diff_ids,
+            converter: format!("amber-registry {}", env!("CARGO_PKG_VERSION")),
+        },
+    };
+    let envelope_bytes = Bytes::from(serde_json::to_vec(&envelope)?);
+    handle.block_on(reg.store.put(&ObjectKey::env(&env), envelope_bytes.clone()))?;
+    publish_referrer(
+        reg,
+        handle,
+        &repo,
+        image,
+        bytes.len() as u64,
+        &v,
+        &envelope_bytes,
+        &env.to_string(),
+    )?;
+    Ok(env.to_string())
+}
+
+/// Stores the envelope as a blob and an artifact manifest whose subject is the image.
+#[allow(clippy::too_many_arguments)]
+fn publish_referrer(
+    reg: &Registry,
+    handle: &Handle,
+    repo: &RepoName,
+    image: &Digest,
+    image_size: u64,
+    image_manifest: &Value,
+    envelope: &Bytes,
+    env: &str,
+) -> anyhow::Result<()> {
+    let put_blob = |data: Bytes| -> anyhow::Result<(Digest, u64)> {
+        let d = Digest::of(Algorithm::Sha256, &data);
+        let n = data.len() as u64;
+        handle.block_on(reg.store.put(&ObjectKey::blob(&d), data))?;
+        reg.index.put_blob(repo, &d, n)?;
+        Ok((d, n))
+    };
+    let (env_blob, env_size) = put_blob(envelope.clone())?;
+    let (empty, empty_size) = put_blob(Bytes::from_static(b"{}"))?;
+    let image_type = image_manifest["mediaType"]
+        .as_str()
+        .unwrap_or("application/vnd.oci.image.manifest.v1+json");
+    let artifact = json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "artifactType": BLOCK_MANIFEST_TYPE,
+        "config": {"mediaType": EMPTY_TYPE, "digest": empty.to_string(), "size": empty_size},
+        "layers": [{"mediaType": BLOCK_MANIFEST_TYPE, "digest": env_blob.to_string(), "size": env_size}],
+        "subject": {"mediaType": image_type, "digest": image.to_string(), "size": image_size},
+        "annotations": {ENV_ANNOTATION: env},
+    });
+    let bytes = Bytes::from(serde_json::to_vec(&artifact)?);
+    let digest = Digest::of(Algorithm::Sha256, &bytes);
+    handle.block_on(reg.store.put(&ObjectKey::blob(&digest), bytes.clone()))?;
+    let descriptor = json!({
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "digest": digest.to_string(),
+        "size": bytes.len(),
+        "artifactType": BLOCK_MANIFEST_TYPE,
+        "annotations": {ENV_ANNOTATION: env},
+    });
+    reg.index.put_manifest(ManifestWrite {
+        repo,
+        digest: &digest,
+        record: ManifestRecord {
+            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+            size: bytes.len() as u64,
+        },
+        tag: None,
+        tag_immutable: false,
+        referrer: Some((image, descriptor)),
+    })?;
+    Ok(())
+}

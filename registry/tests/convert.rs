@@ -1,0 +1,405 @@
+//! Conversion on push, the amber API, and determinism across processes and compressions.
+
+mod common;
+
+use std::io::Write;
+use std::time::Duration;
+
+use amber_converter::manifest::{ChunkId, ManifestEnvelope};
+use common::*;
+use serde_json::{json, Value};
+
+fn layer_tar(files: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, data) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(1_700_000_000);
+        h.set_size(data.len() as u64);
+        b.append_data(&mut h, path, *data).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    e.write_all(data).unwrap();
+    e.finish().unwrap()
+}
+
+fn layers() -> Vec<Vec<u8>> {
+    let big: Vec<u8> = (0..2_500_000u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 11) as u8)
+        .collect();
+    vec![
+        layer_tar(&[("usr/lib/big.so", &big), ("etc/os-release", b"ID=test\n")]),
+        layer_tar(&[
+            ("app/main.py", b"print(1)\n"),
+            ("app/data.txt", &b"data ".repeat(3000)),
+        ]),
+    ]
+}
+
+/// Pushes an image with `blobs` as its layers; returns the manifest digest.
+async fn push_image(s: &Server, repo: &str, tag: &str, blobs: &[(Vec<u8>, &str)]) -> String {
+    let config = json!({"architecture": "amd64", "os": "linux", "config": {}, "rootfs": {"type": "layers", "diff_ids": []}}).to_string();
+    let cd = push_blob(s, repo, config.as_bytes()).await;
+    let mut descs = Vec::new();
+    for (blob, mt) in blobs {
+        let d = push_blob(s, repo, blob).await;
+        descs.push(json!({"mediaType": mt, "digest": d, "size": blob.len()}));
+    }
+    let m = json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": config.len()},
+        "layers": descs,
+    })
+    .to_string();
+    let r = put_manifest(
+        s,
+        repo,
+        tag,
+        "application/vnd.oci.image.manifest.v1+json",
+        &m,
+    )
+    .await;
+    assert_eq!(r.status(), 201);
+    sha256(m.as_bytes())
+}
+
+/// Polls the resolve endpoint until the conversion settles (done or failed).
+async fn settled(s: &Server, repo: &str, reference: &str) -> Value {
+    for _ in 0..3000 {
+        let v: Value = client()
+            .get(s.url(&format!("/amber/v1/resolve/{repo}/{reference}")))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if v["state"] == "done" || v["state"] == "failed" {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("conversion of {repo}:{reference} never settled");
+}
+
+/// The device as a runner would assemble it: every chunk fetched, verified, placed.
+async fn device_from_api(s: &Server, env: &str) -> (ManifestEnvelope, Vec<u8>) {
+    let r = client()
+        .get(s.url(&format!("/amber/v1/envs/{env}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["cache-control"]
+        .to_str()
+        .unwrap()
+        .contains("immutable"));
+    let envelope: ManifestEnvelope = r.json().await.unwrap();
+    assert_eq!(
+        envelope.manifest.env_digest().to_string(),
+        env,
+        "the manifest hashes to its env digest"
+    );
+    let mut dev = vec![0u8; envelope.manifest.device_size as usize];
+    for e in &envelope.manifest.extents {
+        let z = client()
+            .get(s.url(&format!("/amber/v1/chunks/{}", e.chunk)))
+            .send()
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        let data = zstd::bulk::decompress(&z, e.length as usize).unwrap();
+        assert_eq!(ChunkId::of(&data), e.chunk);
+        dev[e.offset as usize..(e.offset + e.length) as usize].copy_from_slice(&data);
+    }
+    (envelope, dev)
+}
+
+fn local_conversion(blobs: &[Vec<u8>]) -> (String, Vec<u8>) {
+    struct Null;
+    impl amber_converter::chunk::ChunkSink for Null {
+        fn put(&mut self, _: ChunkId, _: &[u8]) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut raw = Vec::new();
+    let mut scratch = tempfile::tempfile().unwrap();
+    let inputs = blobs.iter().map(|b| amber_converter::LayerInput {
+        name: "l".into(),
+        reader: Box::new(&b[..]),
+    });
+    let out =
+        amber_converter::convert(inputs, &mut scratch, &mut Null, Some(&mut raw), &mut |_| {})
+            .unwrap();
+    raw.resize(out.manifest.device_size as usize, 0);
+    (out.manifest.env_digest().to_string(), raw)
+}
+
+const TAR: &str = "application/vnd.oci.image.layer.v1.tar";
+const TGZ: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+const TZST: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushed_images_convert_to_the_same_device_whatever_the_compression() {
+    let s = Server::start(&[]);
+    let tars = layers();
+    let variants: Vec<(&str, Vec<(Vec<u8>, &str)>)> = vec![
+        ("gzip", tars.iter().map(|t| (gzip(t), TGZ)).collect()),
+        (
+            "zstd",
+            tars.iter()
+                .map(|t| (zstd::bulk::compress(t, 3).unwrap(), TZST))
+                .collect(),
+        ),
+        ("plain", tars.iter().map(|t| (t.clone(), TAR)).collect()),
+    ];
+    let (local_env, local_dev) = local_conversion(&tars);
+    for (tag, blobs) in &variants {
+        push_image(&s, "conv/app", tag, blobs).await;
+    }
+    for (tag, _) in &variants {
+        let v = settled(&s, "conv/app", tag).await;
+        assert_eq!(v["state"], "done", "{v}");
+        assert_eq!(
+            v["env_digest"], local_env,
+            "{tag}: same env digest as a conversion in another process"
+        );
+        let (_, dev) = device_from_api(&s, &local_env).await;
+        assert!(dev == local_dev, "{tag}: device bytes differ");
+    }
+    // The second and third pushes found every chunk already stored.
+    let metrics = client()
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let written = metric(&metrics, "amber_chunks_written_total");
+    let existing = metric(&metrics, "amber_chunks_existing_total");
+    assert!(
+        written > 0 && existing >= 2 * written,
+        "written {written}, existing {existing}"
+    );
+}
+
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .map(|v| v.trim().parse::<f64>().unwrap() as u64)
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_block_manifest_is_a_referrer_of_the_image() {
+    let s = Server::start(&[]);
+    let image = push_image(
+        &s,
+        "conv/ref",
+        "v1",
+        &layers()
+            .into_iter()
+            .map(|t| (gzip(&t), TGZ))
+            .collect::<Vec<_>>(),
+    )
+    .await;
+    let v = settled(&s, "conv/ref", "v1").await;
+    let env = v["env_digest"].as_str().unwrap().to_string();
+    let r: Value = client()
+        .get(s.url(&format!("/v2/conv/ref/referrers/{image}?artifactType=application/vnd.amber.block-manifest.v1%2Bjson")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ms = r["manifests"].as_array().unwrap();
+    assert_eq!(ms.len(), 1, "{r}");
+    assert_eq!(ms[0]["annotations"]["dev.amber.env-digest"], env);
+    // The artifact's layer is the envelope, pullable with any OCI client.
+    let art: Value = client()
+        .get(s.url(&format!(
+            "/v2/conv/ref/manifests/{}",
+            ms[0]["digest"].as_str().unwrap()
+        )))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(art["subject"]["digest"], image);
+    let blob = art["layers"][0]["digest"].as_str().unwrap();
+    let envelope: ManifestEnvelope = client()
+        .get(s.url(&format!("/v2/conv/ref/blobs/{blob}")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(envelope.env_digest.to_string(), env);
+    assert_eq!(
+        envelope.provenance.image.as_deref(),
+        Some(image.as_str()),
+        "each image's referrer carries its own provenance"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_conversions_resume_after_a_restart_and_done_ones_never_rerun() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = Server::start_in(tmp.path(), &["--convert-workers", "0"]);
+    push_image(
+        &s,
+        "conv/resume",
+        "v1",
+        &layers().into_iter().map(|t| (t, TAR)).collect::<Vec<_>>(),
+    )
+    .await;
+    let v: Value = client()
+        .get(s.url("/amber/v1/resolve/conv/resume/v1"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["state"], "queued");
+    drop(s);
+    let s = Server::start_in(tmp.path(), &["--convert-workers", "1"]);
+    let v = settled(&s, "conv/resume", "v1").await;
+    assert_eq!(v["state"], "done");
+    let env = v["env_digest"].clone();
+    drop(s);
+    let s = Server::start_in(tmp.path(), &[]);
+    let v: Value = client()
+        .get(s.url("/amber/v1/resolve/conv/resume/v1"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (v["state"].clone(), v["env_digest"].clone()),
+        (json!("done"), env)
+    );
+    // Pushing the same manifest again does not convert again either.
+    push_image(
+        &s,
+        "conv/resume",
+        "v2",
+        &layers().into_iter().map(|t| (t, TAR)).collect::<Vec<_>>(),
+    )
+    .await;
+    let metrics = client()
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(
+        metric(&metrics, "amber_conversions_started_total"),
+        0,
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_layer_fails_its_conversion_with_a_clear_error() {
+    let s = Server::start(&[]);
+    let mut h = tar::Header::new_old();
+    h.as_mut_bytes()[..14].copy_from_slice(b"../../etc/evil");
+    h.set_mode(0o644);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_size(0);
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_cksum();
+    let mut evil = h.as_bytes().to_vec();
+    evil.extend_from_slice(&[0u8; 1024]);
+    let layer_digest = sha256(&evil);
+    push_image(&s, "conv/evil", "v1", &[(evil, TAR)]).await;
+    let v = settled(&s, "conv/evil", "v1").await;
+    assert_eq!(v["state"], "failed");
+    let err = v["error"].as_str().unwrap();
+    assert!(
+        err.contains(&layer_digest)
+            && err.contains("../../etc/evil")
+            && err.contains("climbs above the root"),
+        "{err}"
+    );
+    assert!(v["env_digest"].is_null());
+}
+
+#[tokio::test]
+async fn amber_api_bad_requests_and_chunk_ranges() {
+    let s = Server::start(&[]);
+    let c = client();
+    let cases: &[(&str, u16)] = &[
+        ("/amber/v1/envs/blake3:nothex", 400),
+        ("/amber/v1/envs/blake3:0000000000000000000000000000000000000000000000000000000000000000", 404),
+        ("/amber/v1/chunks/sha256:abc", 400),
+        ("/amber/v1/chunks/blake3:0000000000000000000000000000000000000000000000000000000000000000", 404),
+        ("/amber/v1/resolve/nope/latest", 404),
+        ("/amber/v1/resolve/BAD/latest", 400),
+        ("/amber/v1/other", 404),
+    ];
+    for (path, status) in cases {
+        let r = c.get(s.url(path)).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), *status, "{path}");
+    }
+    let r = c.post(s.url("/amber/v1/envs/x")).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_are_served_with_ranges_and_immutable_headers() {
+    let s = Server::start(&[]);
+    push_image(
+        &s,
+        "conv/range",
+        "v1",
+        &layers().into_iter().map(|t| (t, TAR)).collect::<Vec<_>>(),
+    )
+    .await;
+    let v = settled(&s, "conv/range", "v1").await;
+    let (envelope, _) = device_from_api(&s, v["env_digest"].as_str().unwrap()).await;
+    let id = envelope.manifest.extents[0].chunk;
+    let url = s.url(&format!("/amber/v1/chunks/{id}"));
+    let whole = client().get(&url).send().await.unwrap();
+    assert_eq!(
+        whole.headers()["cache-control"],
+        "public, max-age=31536000, immutable"
+    );
+    let whole = whole.bytes().await.unwrap();
+    let r = client()
+        .get(&url)
+        .header("Range", "bytes=1-4")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 206);
+    assert_eq!(&r.bytes().await.unwrap()[..], &whole[1..5]);
+    let r = client()
+        .get(&url)
+        .header("Range", format!("bytes={}-", whole.len()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 416);
+}
