@@ -12,7 +12,7 @@ die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 DEB_PACKAGES=(
   librocksdb-dev libclang-dev clang pkg-config
   docker.io skopeo buildah podman docker-registry uidmap
-  busybox-static erofs-utils curl file
+  busybox-static erofs-utils curl file debootstrap attr mount
 )
 # PyPI packages the tests need.
 PIP_PACKAGES=(oras==0.2.43)

@@ -7,6 +7,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+
 use std::process::Command;
 
 use common::*;

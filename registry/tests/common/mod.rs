@@ -189,3 +189,20 @@ pub fn run(cmd: &mut Command) -> String {
     }
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// The repository root (for fixtures/).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Runs the docker CLI against the test engine started by scripts/test.
+pub fn docker(args: &[&str]) -> String {
+    let host = std::env::var("AMBER_TEST_DOCKER_HOST").expect(
+        "AMBER_TEST_DOCKER_HOST is not set: scripts/test starts a Docker engine and sets it",
+    );
+    require_tool("docker");
+    run(Command::new("docker").arg("-H").arg(host).args(args))
+}

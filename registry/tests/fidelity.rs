@@ -1,0 +1,404 @@
+//! Fidelity: for each image of the test set (fixtures/images: Debian + apt, Python + pip,
+//! Node + npm, and a multi-layer image of special files), built and pushed with the
+//! Docker engine, the tree the Linux kernel's EROFS driver shows for amber's device
+//! equals the tree `docker export` gives: paths, types, modes, owners, sizes, content
+//! hashes, link targets, hard links and xattrs. `fsck.erofs` must find no error.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::io::Read;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use amber_converter::manifest::{ChunkId, ManifestEnvelope};
+use common::*;
+use sha2::Digest as _;
+
+/// What the comparison looks at for one path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Node {
+    kind: String,
+    mode: u32,
+    uid: u64,
+    gid: u64,
+    size: u64,
+    sha256: String,
+    target: String,
+    xattrs: BTreeMap<String, Vec<u8>>,
+}
+
+/// Paths Docker adds when it creates a container (its init layer); not image content.
+const DOCKER_INIT: &[&str] = &[
+    ".dockerenv",
+    "etc/hostname",
+    "etc/hosts",
+    "etc/resolv.conf",
+    "etc/mtab",
+    "dev/console",
+    "dev/pts",
+    "dev/shm",
+];
+
+fn injected(path: &str) -> bool {
+    DOCKER_INIT
+        .iter()
+        .any(|p| path == *p || path.starts_with(&format!("{p}/")))
+}
+
+/// The tree of a `docker export` tar; hard links as (path, target) pairs.
+fn export_tree(tar_path: &Path) -> (BTreeMap<String, Node>, Vec<(String, String)>) {
+    let mut a = tar::Archive::new(std::fs::File::open(tar_path).unwrap());
+    let mut out = BTreeMap::new();
+    let mut links = Vec::new();
+    for e in a.entries().unwrap() {
+        let mut e = e.unwrap();
+        let path = String::from_utf8_lossy(&e.path_bytes())
+            .trim_start_matches("./")
+            .trim_end_matches('/')
+            .to_string();
+        if path.is_empty() || injected(&path) {
+            continue;
+        }
+        let h = e.header().clone();
+        let mut xattrs = BTreeMap::new();
+        if let Ok(Some(pax)) = e.pax_extensions() {
+            for x in pax {
+                let x = x.unwrap();
+                if let Some(name) = x.key().ok().and_then(|k| k.strip_prefix("SCHILY.xattr.")) {
+                    xattrs.insert(name.to_string(), x.value_bytes().to_vec());
+                }
+            }
+        }
+        let t = h.entry_type();
+        if t == tar::EntryType::Link {
+            let target = String::from_utf8_lossy(&e.link_name_bytes().unwrap())
+                .trim_start_matches("./")
+                .to_string();
+            links.push((path, target));
+            continue;
+        }
+        let mut sha = String::new();
+        let kind = match t {
+            tar::EntryType::Regular => {
+                let mut h2 = sha2::Sha256::new();
+                let mut buf = vec![0u8; 1 << 16];
+                loop {
+                    let n = e.read(&mut buf).unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    h2.update(&buf[..n]);
+                }
+                sha = hex::encode(h2.finalize());
+                "file".to_string()
+            }
+            tar::EntryType::Directory => "dir".into(),
+            tar::EntryType::Symlink => "symlink".into(),
+            tar::EntryType::Char => format!(
+                "char {}:{}",
+                h.device_major().unwrap().unwrap(),
+                h.device_minor().unwrap().unwrap()
+            ),
+            tar::EntryType::Block => format!(
+                "block {}:{}",
+                h.device_major().unwrap().unwrap(),
+                h.device_minor().unwrap().unwrap()
+            ),
+            tar::EntryType::Fifo => "fifo".into(),
+            other => format!("{other:?}"),
+        };
+        let target = if t == tar::EntryType::Symlink {
+            String::from_utf8_lossy(&e.link_name_bytes().unwrap()).to_string()
+        } else {
+            String::new()
+        };
+        let size = if kind == "file" { h.size().unwrap() } else { 0 };
+        out.insert(
+            path,
+            Node {
+                kind,
+                mode: h.mode().unwrap() & 0o7777,
+                uid: h.uid().unwrap(),
+                gid: h.gid().unwrap(),
+                size,
+                sha256: sha,
+                target,
+                xattrs,
+            },
+        );
+    }
+    (out, links)
+}
+
+fn xattrs_of(path: &Path) -> BTreeMap<String, Vec<u8>> {
+    let c = CString::new(path.as_os_str().as_bytes()).unwrap();
+    let mut names = vec![0u8; 65536];
+    // SAFETY: buffers are valid for their lengths; the path is NUL-terminated.
+    let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+    assert!(n >= 0, "llistxattr {}", path.display());
+    let mut out = BTreeMap::new();
+    for name in names[..n as usize]
+        .split(|&b| b == 0)
+        .filter(|n| !n.is_empty())
+    {
+        let cn = CString::new(name).unwrap();
+        let mut value = vec![0u8; 65536];
+        // SAFETY: as above.
+        let m = unsafe {
+            libc::lgetxattr(
+                c.as_ptr(),
+                cn.as_ptr(),
+                value.as_mut_ptr().cast(),
+                value.len(),
+            )
+        };
+        assert!(m >= 0);
+        value.truncate(m as usize);
+        out.insert(String::from_utf8_lossy(name).into_owned(), value);
+    }
+    out
+}
+
+/// The tree the kernel shows under `root`, and each path's inode number.
+fn mounted_tree(root: &Path) -> (BTreeMap<String, Node>, BTreeMap<String, u64>) {
+    let mut out = BTreeMap::new();
+    let mut inos = BTreeMap::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        for e in std::fs::read_dir(root.join(&rel)).unwrap() {
+            let e = e.unwrap();
+            let rel_path = rel.join(e.file_name());
+            let full = root.join(&rel_path);
+            let m = std::fs::symlink_metadata(&full).unwrap();
+            let ft = m.file_type();
+            let path = rel_path.to_string_lossy().into_owned();
+            let (kind, sha, target) = if ft.is_dir() {
+                stack.push(rel_path.clone());
+                ("dir".to_string(), String::new(), String::new())
+            } else if ft.is_file() {
+                let mut f = std::fs::File::open(&full).unwrap();
+                let mut h = sha2::Sha256::new();
+                std::io::copy(&mut f, &mut h).unwrap();
+                ("file".into(), hex::encode(h.finalize()), String::new())
+            } else if ft.is_symlink() {
+                (
+                    "symlink".into(),
+                    String::new(),
+                    std::fs::read_link(&full)
+                        .unwrap()
+                        .to_string_lossy()
+                        .into_owned(),
+                )
+            } else if ft.is_char_device() {
+                (
+                    format!("char {}:{}", libc::major(m.rdev()), libc::minor(m.rdev())),
+                    String::new(),
+                    String::new(),
+                )
+            } else if ft.is_block_device() {
+                (
+                    format!("block {}:{}", libc::major(m.rdev()), libc::minor(m.rdev())),
+                    String::new(),
+                    String::new(),
+                )
+            } else if ft.is_fifo() {
+                ("fifo".into(), String::new(), String::new())
+            } else {
+                ("other".into(), String::new(), String::new())
+            };
+            let size = if kind == "file" { m.len() } else { 0 };
+            inos.insert(path.clone(), m.ino());
+            if injected(&path) {
+                continue;
+            }
+            out.insert(
+                path,
+                Node {
+                    kind,
+                    mode: m.mode() & 0o7777,
+                    uid: m.uid() as u64,
+                    gid: m.gid() as u64,
+                    size,
+                    sha256: sha,
+                    target,
+                    xattrs: xattrs_of(&full),
+                },
+            );
+        }
+    }
+    (out, inos)
+}
+
+struct Mount(PathBuf);
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+async fn fetch_device(s: &Server, env: &str, out: &Path) {
+    let envelope: ManifestEnvelope = client()
+        .get(s.url(&format!("/amber/v1/envs/{env}")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let f = std::fs::File::create(out).unwrap();
+    f.set_len(envelope.manifest.device_size).unwrap();
+    for e in &envelope.manifest.extents {
+        let z = client()
+            .get(s.url(&format!("/amber/v1/chunks/{}", e.chunk)))
+            .send()
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        let data = zstd::bulk::decompress(&z, e.length as usize).unwrap();
+        assert_eq!(ChunkId::of(&data), e.chunk);
+        std::os::unix::fs::FileExt::write_all_at(&f, &data, e.offset).unwrap();
+    }
+}
+
+async fn env_of(s: &Server, repo: &str) -> String {
+    for _ in 0..60_000 {
+        let v: serde_json::Value = client()
+            .get(s.url(&format!("/amber/v1/resolve/{repo}/v1")))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        match v["state"].as_str() {
+            Some("done") => return v["env_digest"].as_str().unwrap().to_string(),
+            Some("failed") => panic!("conversion of {repo} failed: {}", v["error"]),
+            _ => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+    panic!("conversion of {repo} never finished");
+}
+
+/// Compares one image; returns the differences found.
+async fn compare(s: &Server, name: &str, work: &Path) -> Vec<String> {
+    let image = format!("{}/fidelity/{name}:v1", s.addr);
+    // The build context: the fixture plus this machine's CA bundle (see the Dockerfiles).
+    let ctx = work.join(format!("{name}.ctx"));
+    std::fs::create_dir_all(&ctx).unwrap();
+    std::fs::copy(
+        repo_root()
+            .join("fixtures/images")
+            .join(name)
+            .join("Dockerfile"),
+        ctx.join("Dockerfile"),
+    )
+    .unwrap();
+    let ca = std::env::var("SSL_CERT_FILE")
+        .unwrap_or_else(|_| "/etc/ssl/certs/ca-certificates.crt".into());
+    std::fs::copy(&ca, ctx.join("build-ca.crt"))
+        .unwrap_or_else(|e| panic!("copying the CA bundle {ca}: {e}"));
+    docker(&[
+        "build",
+        "-q",
+        "--network",
+        "host",
+        "-t",
+        &image,
+        ctx.to_str().unwrap(),
+    ]);
+    docker(&["push", &image]);
+    let env = env_of(s, &format!("fidelity/{name}")).await;
+    let dev = work.join(format!("{name}.erofs"));
+    fetch_device(s, &env, &dev).await;
+    let fsck = Command::new(require_tool("fsck.erofs"))
+        .arg(&dev)
+        .output()
+        .unwrap();
+    assert!(
+        fsck.status.success() && fsck.stderr.is_empty() && fsck.stdout.is_empty(),
+        "fsck.erofs {name}: {fsck:?}"
+    );
+
+    let cid = docker(&["create", &image, "true"]).trim().to_string();
+    let export = work.join(format!("{name}.export.tar"));
+    docker(&["export", "-o", export.to_str().unwrap(), &cid]);
+    docker(&["rm", &cid]);
+    let (want, links) = export_tree(&export);
+
+    let mnt = work.join(format!("{name}.mnt"));
+    std::fs::create_dir_all(&mnt).unwrap();
+    run(Command::new("mount")
+        .args(["-t", "erofs", "-o", "loop,ro"])
+        .arg(&dev)
+        .arg(&mnt));
+    let _m = Mount(mnt.clone());
+    let (got, inos) = mounted_tree(&mnt);
+
+    let mut diffs = Vec::new();
+    for (path, w) in &want {
+        match got.get(path) {
+            None => diffs.push(format!("{name}: {path} missing from the EROFS tree")),
+            Some(g) if g != w => diffs.push(format!("{name}: {path}: docker {w:?} != amber {g:?}")),
+            _ => {}
+        }
+    }
+    let linked: std::collections::HashSet<&str> = links.iter().map(|(p, _)| p.as_str()).collect();
+    for path in got.keys() {
+        if !want.contains_key(path) && !linked.contains(path.as_str()) {
+            diffs.push(format!(
+                "{name}: {path} is in the EROFS tree but not in docker export"
+            ));
+        }
+    }
+    for (path, target) in &links {
+        if inos.get(path) != inos.get(target) || inos.get(path).is_none() {
+            diffs.push(format!("{name}: {path} should be a hard link of {target}"));
+        }
+    }
+    eprintln!(
+        "{name}: {} entries ({} hard links) compared, env {env}, {} differences",
+        want.len(),
+        links.len(),
+        diffs.len()
+    );
+    diffs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn docker_export_equals_the_tree_in_amber_s_erofs_device() {
+    let rootfs = std::env::var("AMBER_TEST_DEBIAN_ROOTFS")
+        .expect("AMBER_TEST_DEBIAN_ROOTFS is not set: scripts/test builds the Debian base (fixtures/debian-rootfs.sh) and sets it");
+    require_tool("mount");
+    let s = Server::start(&[]);
+    let work = tempfile::tempdir().unwrap();
+    docker(&["import", &rootfs, "amber-test/debian:bookworm"]);
+    let mut diffs = Vec::new();
+    for name in ["debian-apt", "python-pip", "node-npm"] {
+        diffs.extend(compare(&s, name, work.path()).await);
+    }
+    docker(&[
+        "tag",
+        &format!("{}/fidelity/debian-apt:v1", s.addr),
+        "amber-test/debian-apt",
+    ]);
+    diffs.extend(compare(&s, "special", work.path()).await);
+    assert!(
+        diffs.is_empty(),
+        "{} differences:\n{}",
+        diffs.len(),
+        diffs
+            .iter()
+            .take(50)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
