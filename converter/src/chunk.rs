@@ -157,26 +157,102 @@ impl<'a> Chunker<'a> {
     }
 }
 
-/// A chunk store in a directory: `<dir>/<2 hex>/<64 hex>.zst`, written once through a
-/// temporary name. Used by `amber-convert`.
-pub struct DirChunkSink {
-    dir: std::path::PathBuf,
-    level: i32,
-    pub written: u64,
-    pub written_bytes: u64,
-    pub existing: u64,
+/// Hands chunks to `threads` worker threads that store them with `put` (hashing is done
+/// by the chunker; compressing and writing happen here, in parallel with the chunker).
+/// At most `2 * threads` chunks wait in the queue. `finish` reports the first error.
+pub struct ParallelSink {
+    tx: Option<std::sync::mpsc::SyncSender<(ChunkId, Vec<u8>)>>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+    error: std::sync::Arc<std::sync::Mutex<Option<io::Error>>>,
 }
 
-impl DirChunkSink {
-    pub fn new(dir: impl Into<std::path::PathBuf>, level: i32) -> io::Result<DirChunkSink> {
+pub type PutFn = dyn Fn(ChunkId, &[u8]) -> io::Result<()> + Send + Sync;
+
+impl ParallelSink {
+    pub fn new(threads: usize, put: std::sync::Arc<PutFn>) -> ParallelSink {
+        let threads = threads.max(1);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(ChunkId, Vec<u8>)>(threads * 2);
+        let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
+        let error = std::sync::Arc::new(std::sync::Mutex::new(None::<io::Error>));
+        let workers = (0..threads)
+            .map(|_| {
+                let (rx, put, error) = (rx.clone(), put.clone(), error.clone());
+                std::thread::spawn(move || loop {
+                    let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                    let Ok((id, data)) = job else { return };
+                    if let Err(e) = put(id, &data) {
+                        error
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .get_or_insert(e);
+                    }
+                })
+            })
+            .collect();
+        ParallelSink {
+            tx: Some(tx),
+            workers,
+            error,
+        }
+    }
+
+    fn take_error(&self) -> Option<io::Error> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// Waits for every queued chunk to be stored.
+    pub fn finish(mut self) -> io::Result<()> {
+        self.tx = None;
+        for w in self.workers.drain(..) {
+            w.join()
+                .map_err(|_| io::Error::other("a chunk worker panicked"))?;
+        }
+        self.take_error().map_or(Ok(()), Err)
+    }
+}
+
+impl ChunkSink for ParallelSink {
+    fn put(&mut self, id: ChunkId, data: &[u8]) -> io::Result<()> {
+        if let Some(e) = self.take_error() {
+            return Err(e);
+        }
+        self.tx
+            .as_ref()
+            .expect("not finished")
+            .send((id, data.to_vec()))
+            .map_err(|_| io::Error::other("chunk workers stopped"))
+    }
+}
+
+impl Drop for ParallelSink {
+    fn drop(&mut self) {
+        self.tx = None;
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A chunk store in a directory: `<dir>/<2 hex>/<64 hex>.zst`, each written once through
+/// a temporary name. Used by `amber-convert`; safe to share between threads.
+pub struct DirChunkStore {
+    dir: std::path::PathBuf,
+    level: i32,
+    pub written: std::sync::atomic::AtomicU64,
+    pub written_bytes: std::sync::atomic::AtomicU64,
+    pub existing: std::sync::atomic::AtomicU64,
+}
+
+impl DirChunkStore {
+    pub fn new(dir: impl Into<std::path::PathBuf>, level: i32) -> io::Result<DirChunkStore> {
         let dir = dir.into();
         std::fs::create_dir_all(&dir)?;
-        Ok(DirChunkSink {
+        Ok(DirChunkStore {
             dir,
             level,
-            written: 0,
-            written_bytes: 0,
-            existing: 0,
+            written: Default::default(),
+            written_bytes: Default::default(),
+            existing: Default::default(),
         })
     }
 
@@ -184,22 +260,26 @@ impl DirChunkSink {
         let hex = id.hex();
         dir.join(&hex[..2]).join(format!("{hex}.zst"))
     }
-}
 
-impl ChunkSink for DirChunkSink {
-    fn put(&mut self, id: ChunkId, data: &[u8]) -> io::Result<()> {
+    pub fn put(&self, id: ChunkId, data: &[u8]) -> io::Result<()> {
+        use std::sync::atomic::Ordering::Relaxed;
         let path = Self::path(&self.dir, &id);
         if path.exists() {
-            self.existing += 1;
+            self.existing.fetch_add(1, Relaxed);
             return Ok(());
         }
         let compressed = zstd::bulk::compress(data, self.level)?;
         std::fs::create_dir_all(path.parent().expect("has parent"))?;
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        let tmp = path.with_extension(format!(
+            "tmp{}.{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
         std::fs::write(&tmp, &compressed)?;
         std::fs::rename(&tmp, &path)?;
-        self.written += 1;
-        self.written_bytes += compressed.len() as u64;
+        self.written.fetch_add(1, Relaxed);
+        self.written_bytes
+            .fetch_add(compressed.len() as u64, Relaxed);
         Ok(())
     }
 }

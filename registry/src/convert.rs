@@ -13,7 +13,7 @@
 use std::io::{self, Read};
 use std::sync::Arc;
 
-use amber_converter::chunk::ChunkSink;
+use amber_converter::chunk::ParallelSink;
 use amber_converter::manifest::{ChunkId, ManifestEnvelope, Provenance};
 use amber_converter::LayerInput;
 use bytes::Bytes;
@@ -189,39 +189,24 @@ fn object_reader(
     ))
 }
 
-/// Chunks go to the object store, zstd-compressed, unless the index says they exist.
-struct StoreSink<'a> {
-    reg: &'a Registry,
-    handle: &'a Handle,
-    level: i32,
-}
-
-impl ChunkSink for StoreSink<'_> {
-    fn put(&mut self, id: ChunkId, data: &[u8]) -> io::Result<()> {
-        let name = id.to_string();
-        if self
-            .reg
-            .index
-            .chunk(&name)
-            .map_err(io::Error::other)?
-            .is_some()
-        {
-            metrics::counter!(CHUNKS_EXISTING).increment(1);
-            return Ok(());
-        }
-        let key = ObjectKey::chunk(&id);
-        let compressed = zstd::bulk::compress(data, self.level)?;
-        let size = compressed.len() as u64;
-        self.handle
-            .block_on(self.reg.store.put(&key, Bytes::from(compressed)))
-            .map_err(io::Error::other)?;
-        self.reg
-            .index
-            .put_chunk(&name, size)
-            .map_err(io::Error::other)?;
-        metrics::counter!(CHUNKS_WRITTEN).increment(1);
-        Ok(())
+/// Stores one chunk, zstd-compressed, unless the index says the store has it.
+fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io::Result<()> {
+    let name = id.to_string();
+    if reg.index.chunk(&name).map_err(io::Error::other)?.is_some() {
+        metrics::counter!(CHUNKS_EXISTING).increment(1);
+        return Ok(());
     }
+    let compressed = zstd::bulk::compress(data, 3)?;
+    let size = compressed.len() as u64;
+    handle
+        .block_on(
+            reg.store
+                .put(&ObjectKey::chunk(&id), Bytes::from(compressed)),
+        )
+        .map_err(io::Error::other)?;
+    reg.index.put_chunk(&name, size).map_err(io::Error::other)?;
+    metrics::counter!(CHUNKS_WRITTEN).increment(1);
+    Ok(())
 }
 
 /// Converts one stored image manifest; returns its env digest.
@@ -256,12 +241,16 @@ fn convert_image(
     let scratch_dir = reg.config.data.join("tmp");
     std::fs::create_dir_all(&scratch_dir)?;
     let mut scratch = tempfile::tempfile_in(&scratch_dir)?;
-    let mut sink = StoreSink {
-        reg,
-        handle,
-        level: 3,
-    };
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let (sink_reg, sink_handle) = (reg.clone(), handle.clone());
+    let mut sink = ParallelSink::new(
+        threads,
+        Arc::new(move |id, data: &[u8]| store_chunk(&sink_reg, &sink_handle, id, data)),
+    );
     let out = amber_converter::convert(inputs, &mut scratch, &mut sink, None, &mut |_| {})?;
+    sink.finish()?;
     let env = out.manifest.env_digest();
     let envelope = ManifestEnvelope {
         env_digest: env,

@@ -8,7 +8,10 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Parser;
 
-use amber_converter::chunk::DirChunkSink;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use amber_converter::chunk::{DirChunkStore, ParallelSink};
 use amber_converter::manifest::{BlockManifest, ManifestEnvelope, Provenance};
 use amber_converter::{convert, oci, LayerInput};
 
@@ -63,7 +66,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
     std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;
     let chunk_dir = cli.out.join("chunks");
-    let mut sink = DirChunkSink::new(&chunk_dir, cli.level)?;
+    let store = Arc::new(DirChunkStore::new(&chunk_dir, cli.level)?);
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let put_store = store.clone();
+    let mut sink = ParallelSink::new(
+        threads,
+        Arc::new(move |id, data: &[u8]| put_store.put(id, data)),
+    );
     let mut scratch = tempfile::tempfile_in(work.path()).context("creating the scratch file")?;
     let mut raw = match &cli.raw {
         Some(p) => {
@@ -85,6 +96,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             .map(|f| f as &mut dyn amber_converter::chunk::RawSink),
         &mut progress,
     )?;
+    sink.finish().context("storing chunks")?;
     if let (Some(f), Some(p)) = (&raw, &cli.raw) {
         f.set_len(out.manifest.device_size)
             .with_context(|| format!("sizing {}", p.display()))?;
@@ -111,8 +123,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         out.inodes,
         out.manifest.device_size >> 20,
         out.chunks,
-        sink.written,
-        sink.existing,
+        store.written.load(Relaxed),
+        store.existing.load(Relaxed),
         out.layer_bytes >> 20
     );
     println!("{env}");
@@ -121,7 +133,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 fn verify(m: &BlockManifest, dir: &std::path::Path) -> anyhow::Result<()> {
     for e in &m.extents {
-        let path = DirChunkSink::path(dir, &e.chunk);
+        let path = DirChunkStore::path(dir, &e.chunk);
         let z = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
         let data = zstd::bulk::decompress(&z, e.length as usize)
             .with_context(|| format!("decompressing {}", path.display()))?;
