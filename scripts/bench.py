@@ -150,7 +150,7 @@ def tool_version(cmd):
         return "unknown"
 
 
-def write_report(path, res, image_set_desc, runs, command):
+def registry_section(res, image_set_desc, runs):
     a, d = res["amber"], res["distribution"]
     rows = []
     for label, key, unit, scale in (
@@ -171,14 +171,6 @@ def write_report(path, res, image_set_desc, runs, command):
         return "met" if b else "NOT met"
 
     lines = [
-        "# amber benchmarks",
-        "",
-        f"Written by `{command}` on {datetime.date.today().isoformat()}. Every figure below comes from",
-        "one run of the harness, with amber and its peer measured side by side on the same",
-        "machine; ratios compare medians.",
-        "",
-        f"Machine: {machine()}.",
-        "",
         "## Registry push and pull (issue 2)",
         "",
         f"Image set: one OCI image of {image_set_desc['layers']} gzip layers, {size_gib:.2f} GiB in all",
@@ -213,32 +205,190 @@ def write_report(path, res, image_set_desc, runs, command):
         "```",
         "",
     ]
+    return lines
+
+
+def write_report(path, sections, command):
+    lines = [
+        "# amber benchmarks",
+        "",
+        f"Written by `{command}` on {datetime.date.today().isoformat()}. Every figure below comes from",
+        "one run of the harness, with amber and its peer measured side by side on the same",
+        "machine; ratios compare medians.",
+        "",
+        f"Machine: {machine()}.",
+        "",
+    ]
+    for sec in sections:
+        lines += sec
     with open(path, "w") as f:
         f.write("\n".join(lines))
+
+
+FIXTURES = ["debian-apt", "python-pip", "node-npm", "special"]
+
+
+def docker(*args, capture=False):
+    cmd = ["docker", "-H", os.environ["DOCKER_SOCK"], *args]
+    r = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return r.stdout
+
+
+def fixture_layouts(work):
+    """The conversion test set as OCI layouts with gzip layers, built once with the
+    Docker engine from fixtures/images (cached under .run/bench/convert)."""
+    out = os.path.join(work, "convert")
+    os.makedirs(out, exist_ok=True)
+    rootfs = os.path.join(RUN, "cache", "debian-bookworm.tar")
+    if not os.path.exists(rootfs):
+        os.makedirs(os.path.dirname(rootfs), exist_ok=True)
+        subprocess.run([os.path.join(ROOT, "fixtures/debian-rootfs.sh"), rootfs], check=True)
+    layouts = {}
+    for name in FIXTURES:
+        layout = os.path.join(out, name)
+        layouts[name] = layout
+        if os.path.exists(os.path.join(layout, "index.json")):
+            continue
+        if name == FIXTURES[0]:
+            docker("import", rootfs, "amber-test/debian:bookworm")
+        ctx = os.path.join(out, name + ".ctx")
+        os.makedirs(ctx, exist_ok=True)
+        shutil.copy(os.path.join(ROOT, "fixtures/images", name, "Dockerfile"), ctx)
+        shutil.copy(os.environ.get("SSL_CERT_FILE", "/etc/ssl/certs/ca-certificates.crt"), os.path.join(ctx, "build-ca.crt"))
+        tag = f"amber-bench/{name}:v1"
+        docker("build", "-q", "--network", "host", "-t", tag, ctx)
+        if name == "debian-apt":
+            docker("tag", tag, "amber-test/debian-apt")
+        subprocess.run(["skopeo", "copy", "-q", "--src-daemon-host", os.environ["DOCKER_SOCK"],
+                        "--dest-compress", "--dest-compress-format", "gzip",
+                        f"docker-daemon:{tag}", f"oci:{layout}:{name}"], check=True)
+    return layouts
+
+
+def layers_of(layout):
+    idx = json.load(open(os.path.join(layout, "index.json")))
+    m = json.load(open(os.path.join(layout, "blobs/sha256", idx["manifests"][0]["digest"].split(":")[1])))
+    return [(l["digest"], os.path.join(layout, "blobs/sha256", l["digest"].split(":")[1]), l["size"]) for l in m["layers"]]
+
+
+def dir_bytes(d):
+    total = 0
+    for root, _, files in os.walk(d):
+        for f in files:
+            total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
+def bench_convert(work, runs):
+    layouts = fixture_layouts(work)
+    all_layers = [l for name in FIXTURES for l in layers_of(layouts[name])]
+    raw = 0
+    for _, path, _ in all_layers:
+        raw += int(subprocess.run(f"gzip -dc {path} | wc -c", shell=True, check=True, capture_output=True, text=True).stdout)
+    unique = {d: size for d, _, size in all_layers}
+    res = {"gzip": [], "amber": [], "script": [], "amber_store": 0}
+    scratch = os.path.join(work, "convert-run")
+    for i in range(runs):
+        # (a) the floor: gzip decompression of every layer.
+        t = time.monotonic()
+        for _, path, _ in all_layers:
+            subprocess.run(f"gzip -dc {path} > /dev/null", shell=True, check=True)
+        res["gzip"].append(time.monotonic() - t)
+        # amber: every image converted into one chunk store.
+        shutil.rmtree(scratch, ignore_errors=True)
+        os.makedirs(scratch)
+        t = time.monotonic()
+        for name in FIXTURES:
+            subprocess.run([os.path.join(TARGET, "release", "amber-convert"), layouts[name], "--out", os.path.join(scratch, "amber")],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        res["amber"].append(time.monotonic() - t)
+        res["amber_store"] = dir_bytes(os.path.join(scratch, "amber", "chunks"))
+        # (b) what a user would script: extract, mkfs.erofs, split into 1 MiB chunks,
+        # compress and name each.
+        t = time.monotonic()
+        for name in FIXTURES:
+            root = os.path.join(scratch, name + ".root")
+            os.makedirs(root)
+            for _, path, _ in layers_of(layouts[name]):
+                subprocess.run(["tar", "--numeric-owner", "-xzf", path, "-C", root], check=True)
+            img = os.path.join(scratch, name + ".erofs")
+            subprocess.run(["mkfs.erofs", img, root], check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, SOURCE_DATE_EPOCH="0"))
+            chunks = os.path.join(scratch, name + ".chunks")
+            os.makedirs(chunks)
+            subprocess.run(f"split -b 1M {img} {chunks}/c && zstd -q -3 --rm {chunks}/c* && sha256sum {chunks}/* > /dev/null",
+                           shell=True, check=True)
+            shutil.rmtree(root)
+        res["script"].append(time.monotonic() - t)
+        print(f"  run {i + 1}: gzip -dc {res['gzip'][-1]:.2f}s  amber-convert {res['amber'][-1]:.2f}s  "
+              f"extract+mkfs.erofs+chunk {res['script'][-1]:.2f}s", flush=True)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return res, raw, sum(unique.values())
+
+
+def convert_section(res, raw, distribution_bytes, runs):
+    mib = raw / 2**20
+    g, a, sc = (statistics.median(res[k]) for k in ("gzip", "amber", "script"))
+    lines = [
+        "## Conversion (issue 3)",
+        "",
+        f"Test set: the four fidelity images of `fixtures/images` (Debian + apt, Python + pip, Node + npm,",
+        f"special files), built with the Docker engine, as OCI layouts with gzip layers: {mib:.0f} MiB of",
+        "uncompressed layer data. Method: " + str(runs) + " runs; each converts all four images in turn into one",
+        "fresh chunk store with the release `amber-convert` (all cores). Peers on the same layers:",
+        "(a) `gzip -dc` of every layer to /dev/null, the floor; (b) what a user would script:",
+        "`tar -xzf` every layer into a directory, `mkfs.erofs`, `split -b 1M`, `zstd -3`, `sha256sum`.",
+        "",
+        "| path | median (s) | min-max (s) | MB/s of layer data | vs amber |",
+        "|---|---|---|---|---|",
+    ]
+    for label, k, v in (("(a) gzip -dc", "gzip", g), ("amber-convert", "amber", a), ("(b) extract + mkfs.erofs + chunk", "script", sc)):
+        lines.append(f"| {label} | {v:.2f} | {min(res[k]):.2f}-{max(res[k]):.2f} | {raw / v / 1e6:.0f} | {v / a:.2f}x |")
+    store = res["amber_store"]
+    lines += [
+        "",
+        "Stored bytes for the four images:",
+        f"- distribution (compressed layers, deduplicated by layer digest): {distribution_bytes / 2**20:.1f} MiB",
+        f"- amber (zstd chunks, deduplicated by chunk): {store / 2**20:.1f} MiB ({store / distribution_bytes:.2f} of distribution)",
+        "",
+        "Goals (issue 3): conversion within 1.5x of (a), at least 3x faster than (b), chunk store smaller than the compressed layers.",
+        f"- vs (a): amber takes {a / g:.2f}x the time of gzip alone, goal {'met' if a <= 1.5 * g else 'NOT met'}",
+        f"- vs (b): amber is {sc / a:.2f}x faster, goal {'met' if sc >= 3 * a else 'NOT met'}",
+        f"- store: {store / distribution_bytes:.2f} of the compressed layers, goal {'met' if store < distribution_bytes else 'NOT met'}",
+        "",
+    ]
+    return lines
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small image set, 3 runs")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--only", choices=["registry", "convert"], help="run one benchmark")
     a = ap.parse_args()
-    layers, mib = (8, 16) if a.quick else (24, 86)
     work = os.path.join(RUN, "bench")
     os.makedirs(work, exist_ok=True)
-    image_set = os.path.join(work, f"imageset-{layers}x{mib}")
-    if not os.path.exists(os.path.join(image_set, "index.json")):
-        print(f"generating image set {image_set}", flush=True)
-        subprocess.run([sys.executable, os.path.join(ROOT, "fixtures/bench/make_image_set.py"), image_set,
-                        "--layers", str(layers), "--layer-mib", str(mib)], check=True)
-    idx = json.load(open(os.path.join(image_set, "index.json")))
-    mdig = idx["manifests"][0]["digest"].split(":")[1]
-    manifest = json.load(open(os.path.join(image_set, "blobs", "sha256", mdig)))
-    desc = {"layers": len(manifest["layers"]), "bytes": sum(l["size"] for l in manifest["layers"])}
-    print(f"registry push/pull: {desc['layers']} layers, {desc['bytes'] / 2**30:.2f} GiB, {a.runs} runs each", flush=True)
-    res = bench_registry(work, image_set, a.runs)
+    sections = []
+    if a.only in (None, "registry"):
+        layers, mib = (8, 16) if a.quick else (24, 86)
+        image_set = os.path.join(work, f"imageset-{layers}x{mib}")
+        if not os.path.exists(os.path.join(image_set, "index.json")):
+            print(f"generating image set {image_set}", flush=True)
+            subprocess.run([sys.executable, os.path.join(ROOT, "fixtures/bench/make_image_set.py"), image_set,
+                            "--layers", str(layers), "--layer-mib", str(mib)], check=True)
+        idx = json.load(open(os.path.join(image_set, "index.json")))
+        mdig = idx["manifests"][0]["digest"].split(":")[1]
+        manifest = json.load(open(os.path.join(image_set, "blobs", "sha256", mdig)))
+        desc = {"layers": len(manifest["layers"]), "bytes": sum(l["size"] for l in manifest["layers"])}
+        print(f"registry push/pull: {desc['layers']} layers, {desc['bytes'] / 2**30:.2f} GiB, {a.runs} runs each", flush=True)
+        res = bench_registry(work, image_set, a.runs)
+        sections.append(registry_section(res, desc, a.runs))
+    if a.only in (None, "convert"):
+        print("conversion: the fidelity image set", flush=True)
+        res, raw, dist = bench_convert(work, a.runs)
+        sections.append(convert_section(res, raw, dist, a.runs))
     command = "scripts/bench" + (" --quick" if a.quick else "")
-    out = os.path.join(ROOT, "BENCHMARKS.md") if not a.quick else os.path.join(work, "BENCHMARKS.quick.md")
-    write_report(out, res, desc, a.runs, command)
+    out = os.path.join(ROOT, "BENCHMARKS.md") if not (a.quick or a.only) else os.path.join(work, "BENCHMARKS.partial.md")
+    write_report(out, sections, command)
     print(open(out).read())
 
 

@@ -1,0 +1,116 @@
+//! Where chunks and block manifests come from: the registry's amber API
+//! (`/amber/v1/chunks/<id>`, `/amber/v1/envs/<env>`), or anything else implementing
+//! `ChunkSource`.
+
+use amber_converter::manifest::{ChunkId, EnvDigest, ManifestEnvelope};
+use async_trait::async_trait;
+use bytes::Bytes;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("chunk {0} is not in the registry")]
+    NotFound(String),
+    #[error("fetching {what} from {url}: {source}")]
+    Http {
+        what: String,
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("fetching {what} from {url}: HTTP {status}")]
+    Status {
+        what: String,
+        url: String,
+        status: u16,
+    },
+    #[error("block manifest {env} from {url} is invalid: {msg}")]
+    BadManifest {
+        env: String,
+        url: String,
+        msg: String,
+    },
+}
+
+/// Fetches the stored (zstd) bytes of chunks.
+#[async_trait]
+pub trait ChunkSource: Send + Sync + 'static {
+    async fn fetch(&self, id: &ChunkId) -> Result<Bytes, SourceError>;
+}
+
+/// The registry's amber API over HTTP.
+pub struct RegistrySource {
+    base: String,
+    http: reqwest::Client,
+}
+
+impl RegistrySource {
+    pub fn new(base: &str) -> RegistrySource {
+        let http = reqwest::Client::builder()
+            .connect_timeout(std::time::Duration::from_secs(10))
+            .timeout(std::time::Duration::from_secs(300))
+            .build()
+            .expect("HTTP client");
+        RegistrySource {
+            base: base.trim_end_matches('/').to_string(),
+            http,
+        }
+    }
+
+    async fn get(&self, what: String, url: String) -> Result<Bytes, SourceError> {
+        let r = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .map_err(|source| SourceError::Http {
+                what: what.clone(),
+                url: url.clone(),
+                source,
+            })?;
+        if r.status() == reqwest::StatusCode::NOT_FOUND {
+            return Err(SourceError::NotFound(what));
+        }
+        if !r.status().is_success() {
+            return Err(SourceError::Status {
+                what,
+                url,
+                status: r.status().as_u16(),
+            });
+        }
+        r.bytes()
+            .await
+            .map_err(|source| SourceError::Http { what, url, source })
+    }
+
+    /// The block manifest of `env`, checked against its digest.
+    pub async fn manifest(&self, env: &EnvDigest) -> Result<ManifestEnvelope, SourceError> {
+        let url = format!("{}/amber/v1/envs/{env}", self.base);
+        let body = self.get(format!("env {env}"), url.clone()).await?;
+        let bad = |msg: String| SourceError::BadManifest {
+            env: env.to_string(),
+            url: url.clone(),
+            msg,
+        };
+        let envelope: ManifestEnvelope =
+            serde_json::from_slice(&body).map_err(|e| bad(e.to_string()))?;
+        if envelope.manifest.env_digest() != *env {
+            return Err(bad(format!(
+                "its content hashes to {}",
+                envelope.manifest.env_digest()
+            )));
+        }
+        envelope
+            .manifest
+            .validate()
+            .map_err(|e| bad(e.to_string()))?;
+        Ok(envelope)
+    }
+}
+
+#[async_trait]
+impl ChunkSource for RegistrySource {
+    async fn fetch(&self, id: &ChunkId) -> Result<Bytes, SourceError> {
+        let url = format!("{}/amber/v1/chunks/{id}", self.base);
+        self.get(format!("chunk {id}"), url).await
+    }
+}
