@@ -1,4 +1,12 @@
-//! `amber`, the user's command: resolve a reference, boot a microVM, exec/cp/run,
-//! receipts and reproduce.
+//! `amber`, the user's command: resolve a reference, boot a microVM on the env's lazy
+//! block device, run a command as `docker run` would, and pass its output and status
+//! through.
 //!
-//! Status: not built yet; tracked by the runner issue (#4).
+//! Modules: `initramfs` (deterministic cpio of the guest agent and kernel modules),
+//! `kernel` (the pinned guest kernel on this node), `image` (reference resolution and
+//! the image config), `vm` (QEMU microvm and the control channel).
+
+pub mod image;
+pub mod initramfs;
+pub mod kernel;
+pub mod vm;

@@ -1,0 +1,200 @@
+//! `amber`: run pinned environments in microVMs.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use amber_runner::{image, kernel, vm};
+use amber_snapshotter::cache::ChunkCache;
+use amber_snapshotter::device::LazyDevice;
+use amber_snapshotter::source::RegistrySource;
+
+#[derive(Parser)]
+#[command(name = "amber", version, about = "Run pinned environments in microVMs")]
+struct Cli {
+    /// The registry to resolve references and fetch chunks from.
+    #[arg(
+        long,
+        global = true,
+        env = "AMBER_REGISTRY",
+        default_value = "http://127.0.0.1:5000"
+    )]
+    registry: String,
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Prepare this node: the pinned guest kernel and the initramfs.
+    Setup {
+        /// The static guest agent binary.
+        #[arg(long, env = "AMBER_GUEST")]
+        guest: PathBuf,
+    },
+    /// Run a command in a fresh microVM of REF, as `docker run REF CMD` would.
+    Run(RunArgs),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// name:tag, name@sha256:…, or an env digest blake3:…
+    reference: String,
+    #[arg(long = "env", short = 'e')]
+    env: Vec<String>,
+    #[arg(long, short = 'w')]
+    workdir: Option<String>,
+    #[arg(long, short = 'u')]
+    user: Option<String>,
+    #[arg(long)]
+    hostname: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    cpus: u32,
+    /// Guest memory in MiB.
+    #[arg(long, default_value_t = 512)]
+    memory: u32,
+    /// Seconds before the VM is stopped.
+    #[arg(long)]
+    timeout: Option<u64>,
+    /// QEMU accelerator: tcg or kvm.
+    #[arg(long, env = "AMBER_ACCEL", default_value = "tcg")]
+    accel: String,
+    /// The command; without it the image's Cmd runs.
+    #[arg(last = true)]
+    command: Vec<String>,
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("AMBER_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    match run(Cli::parse()).await {
+        Ok(code) => std::process::ExitCode::from(code as u8),
+        Err(e) => {
+            eprintln!("amber: {e:#}");
+            std::process::ExitCode::from(125)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<i32> {
+    let dir = kernel::node_dir();
+    match cli.command {
+        Cmd::Setup { guest } => {
+            let k = kernel::setup(&dir, &guest)?;
+            println!(
+                "kernel {} {}",
+                kernel::KERNEL_RELEASE,
+                kernel::sha256_file(&k.vmlinuz)?
+            );
+            println!("initramfs {}", kernel::sha256_file(&k.initramfs)?);
+            Ok(0)
+        }
+        Cmd::Run(a) => run_cmd(&cli.registry, &dir, a).await,
+    }
+}
+
+async fn run_cmd(registry: &str, dir: &std::path::Path, a: RunArgs) -> anyhow::Result<i32> {
+    let vmlinuz = dir
+        .join("kernel")
+        .join(kernel::KERNEL_RELEASE)
+        .join("vmlinuz");
+    let initramfs = dir.join("initramfs.cpio");
+    anyhow::ensure!(
+        vmlinuz.exists() && initramfs.exists(),
+        "this node is not set up: run `amber setup`"
+    );
+    let resolved = image::resolve(registry, &a.reference, Duration::from_secs(600)).await?;
+    let c = &resolved.config;
+    let argv: Vec<String> = if a.command.is_empty() {
+        c.entrypoint.iter().chain(c.cmd.iter()).cloned().collect()
+    } else {
+        c.entrypoint
+            .iter()
+            .chain(a.command.iter())
+            .cloned()
+            .collect()
+    };
+    anyhow::ensure!(
+        !argv.is_empty(),
+        "no command given and the image has no Entrypoint or Cmd"
+    );
+    let hostname = a
+        .hostname
+        .clone()
+        .unwrap_or_else(|| resolved.env.hex()[..12].to_string());
+    let mut env = c.env.clone();
+    if !env.iter().any(|e| e.starts_with("PATH=")) {
+        env.insert(
+            0,
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+        );
+    }
+    env.push(format!("HOSTNAME={hostname}"));
+    for e in &a.env {
+        let key = e.split('=').next().unwrap_or("");
+        env.retain(|x| x.split('=').next() != Some(key));
+        env.push(e.clone());
+    }
+    let req = amber_guest::Request {
+        argv,
+        env,
+        cwd: a.workdir.clone().unwrap_or_else(|| {
+            if c.working_dir.is_empty() {
+                "/".into()
+            } else {
+                c.working_dir.clone()
+            }
+        }),
+        user: a.user.clone().unwrap_or_else(|| c.user.clone()),
+        hostname,
+    };
+    let work = tempfile_dir(dir)?;
+    let source = Arc::new(RegistrySource::new(registry));
+    let envelope = source.manifest(&resolved.env).await?;
+    let cache = Arc::new(ChunkCache::open(dir.join("chunks"), 20 << 30, source)?);
+    let device = Arc::new(LazyDevice::new(envelope.manifest, cache));
+    let nbd_socket = work.join("root.sock");
+    let listener = tokio::net::UnixListener::bind(&nbd_socket)?;
+    let server = tokio::spawn(amber_snapshotter::nbd::serve(
+        listener,
+        "amber".into(),
+        device,
+    ));
+    let spec = vm::VmSpec {
+        qemu: PathBuf::from("qemu-system-x86_64"),
+        accel: a.accel.clone(),
+        cpus: a.cpus,
+        memory_mib: a.memory,
+        kernel: vmlinuz,
+        initramfs,
+        nbd_socket,
+        work: work.clone(),
+    };
+    let result = vm::run(&spec, &req, a.timeout.map(Duration::from_secs)).await;
+    server.abort();
+    let _ = std::fs::remove_dir_all(&work);
+    result
+}
+
+fn tempfile_dir(dir: &std::path::Path) -> anyhow::Result<PathBuf> {
+    let base = dir.join("run");
+    std::fs::create_dir_all(&base)?;
+    let p = base.join(format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_nanos()
+    ));
+    std::fs::create_dir_all(&p).with_context(|| format!("creating {}", p.display()))?;
+    Ok(p)
+}
