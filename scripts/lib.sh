@@ -36,6 +36,18 @@ install_deps() {
     log "installing PyPI packages: ${pip_missing[*]}"
     python3 -m pip install -q "${pip_missing[@]}"
   fi
+  # QEMU's system emulator comes from bookworm-backports (it matches the preinstalled
+  # backports qemu-utils; bookworm's own conflicts with it).
+  if ! command -v qemu-system-x86_64 >/dev/null; then
+    log "installing qemu-system-x86 from bookworm-backports"
+    local sudo=; [ "$(id -u)" = 0 ] || sudo=sudo
+    if ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/; then
+      printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' |
+        $sudo tee /etc/apt/sources.list.d/amber-backports.sources >/dev/null
+    fi
+    $sudo apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends -t bookworm-backports qemu-system-x86 >/dev/null
+  fi
   command -v cargo >/dev/null || die "cargo is not installed (this machine kind has rustup's toolchain)"
 }
 

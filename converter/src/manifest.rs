@@ -145,7 +145,7 @@ impl BlockManifest {
             if e.offset < end {
                 return Err(ManifestError::Unsorted { offset: e.offset });
             }
-            end = e.offset.checked_add(e.length).unwrap_or(u64::MAX);
+            end = e.offset.saturating_add(e.length);
             if end > self.device_size {
                 return Err(ManifestError::OutOfRange {
                     offset: e.offset,

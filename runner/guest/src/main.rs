@@ -91,6 +91,17 @@ fn mount_root() -> Result<(), String> {
     mount("tmpfs", "/rw", "tmpfs", 0, "mode=0755")?;
     std::fs::create_dir_all("/rw/upper").map_err(|e| e.to_string())?;
     std::fs::create_dir_all("/rw/work").map_err(|e| e.to_string())?;
+    // The merged root takes its owner and mode from the upper directory: copy the env's.
+    {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata("/lower").map_err(|e| format!("stat of the env root: {e}"))?;
+        let upper = cstr("/rw/upper");
+        // SAFETY: valid path; plain chown/chmod.
+        unsafe {
+            libc::chown(upper.as_ptr(), m.uid(), m.gid());
+            libc::chmod(upper.as_ptr(), m.mode() & 0o7777);
+        }
+    }
     mount(
         "overlay",
         NEWROOT,
