@@ -343,7 +343,7 @@ mod tests {
         let mut c = Chunker::new(&mut sink, None);
         let mut off = 0;
         for (i, cut) in [false, false, true, false, true].iter().enumerate() {
-            let data = vec![i as u8 + 1; 100];
+            let data = [i as u8 + 1; 100];
             c.file(off, 100, &file_hash(*cut), &mut &data[..], 4096)
                 .unwrap();
             off += 4096;

@@ -43,6 +43,9 @@ fn layers() -> Vec<Vec<u8>> {
     ]
 }
 
+/// A layer as pushed: its bytes and media type.
+type LayerBlob = (Vec<u8>, &'static str);
+
 /// Pushes an image with `blobs` as its layers; returns the manifest digest.
 async fn push_image(s: &Server, repo: &str, tag: &str, blobs: &[(Vec<u8>, &str)]) -> String {
     let config = json!({"architecture": "amd64", "os": "linux", "config": {}, "rootfs": {"type": "layers", "diff_ids": []}}).to_string();
@@ -153,7 +156,7 @@ const TZST: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
 async fn pushed_images_convert_to_the_same_device_whatever_the_compression() {
     let s = Server::start(&[]);
     let tars = layers();
-    let variants: Vec<(&str, Vec<(Vec<u8>, &str)>)> = vec![
+    let variants: Vec<(&str, Vec<LayerBlob>)> = vec![
         ("gzip", tars.iter().map(|t| (gzip(t), TGZ)).collect()),
         (
             "zstd",

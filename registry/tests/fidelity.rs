@@ -359,7 +359,7 @@ async fn compare(s: &Server, name: &str, work: &Path) -> Vec<String> {
         }
     }
     for (path, target) in &links {
-        if inos.get(path) != inos.get(target) || inos.get(path).is_none() {
+        if inos.get(path) != inos.get(target) || !inos.contains_key(path) {
             diffs.push(format!("{name}: {path} should be a hard link of {target}"));
         }
     }
