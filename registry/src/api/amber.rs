@@ -9,7 +9,7 @@ use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
-use super::{counted_body, header_str, AppState};
+use super::{header_str, AppState};
 use crate::digest::Digest;
 use crate::error::{ApiError, ApiResult};
 use crate::names::{Reference, RepoName};
@@ -156,33 +156,17 @@ async fn chunk(
             format!("chunk {id} is not in this registry"),
         )
     })?;
-    let range = super::blobs::parse_range(range, size).map_err(|msg| {
-        ApiError::new(StatusCode::RANGE_NOT_SATISFIABLE, "RANGE_INVALID", msg)
-            .with_header(header::CONTENT_RANGE, &format!("bytes */{size}"))
-    })?;
-    let (status, r) = match range {
-        Some(r) => (StatusCode::PARTIAL_CONTENT, r),
-        None => (StatusCode::OK, 0..size),
-    };
-    let mut b = Response::builder()
-        .status(status)
-        .header(header::CONTENT_TYPE, "application/zstd")
-        .header(header::CONTENT_LENGTH, r.end - r.start)
-        .header(header::ACCEPT_RANGES, "bytes")
-        .header(header::CACHE_CONTROL, IMMUTABLE)
-        .header(header::ETAG, format!("\"{id}\""));
-    if status == StatusCode::PARTIAL_CONTENT {
-        b = b.header(
-            header::CONTENT_RANGE,
-            format!("bytes {}-{}/{size}", r.start, r.end - 1),
-        );
-    }
-    let body = if head {
-        axum::body::Body::empty()
-    } else {
-        counted_body(reg.store.read(&key, r).await?)
-    };
-    Ok(b.body(body)
-        .map_err(|e| ApiError::internal("response", e))?
-        .into_response())
+    super::blobs::serve_object(
+        reg,
+        super::blobs::ObjectResponse {
+            key,
+            size,
+            range,
+            head,
+            content_type: "application/zstd",
+            etag: id.to_string(),
+            extra: Vec::new(),
+        },
+    )
+    .await
 }

@@ -59,6 +59,56 @@ pub fn parse_range(
     Ok(Some(r))
 }
 
+/// How to serve one immutable stored object.
+pub struct ObjectResponse<'a> {
+    pub key: ObjectKey,
+    pub size: u64,
+    pub range: Option<&'a str>,
+    pub head: bool,
+    pub content_type: &'static str,
+    /// The content address, used as the ETag.
+    pub etag: String,
+    pub extra: Vec<(&'static str, String)>,
+}
+
+/// Serves an immutable stored object: whole, or one `Range` (206), or 416 with the size.
+pub async fn serve_object(reg: &AppState, o: ObjectResponse<'_>) -> ApiResult<Response> {
+    let size = o.size;
+    let range = parse_range(o.range, size).map_err(|msg| {
+        ApiError::new(StatusCode::RANGE_NOT_SATISFIABLE, "RANGE_INVALID", msg)
+            .with_header(header::CONTENT_RANGE, &format!("bytes */{size}"))
+    })?;
+    let (status, r) = match range {
+        Some(r) => (StatusCode::PARTIAL_CONTENT, r),
+        None => (StatusCode::OK, 0..size),
+    };
+    let mut builder = Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, o.content_type)
+        .header(header::CONTENT_LENGTH, r.end - r.start)
+        .header(header::ACCEPT_RANGES, "bytes")
+        .header(header::ETAG, format!("\"{}\"", o.etag))
+        .header(header::CACHE_CONTROL, "public, max-age=31536000, immutable");
+    for (k, v) in o.extra {
+        builder = builder.header(k, v);
+    }
+    if status == StatusCode::PARTIAL_CONTENT {
+        builder = builder.header(
+            header::CONTENT_RANGE,
+            format!("bytes {}-{}/{size}", r.start, r.end - 1),
+        );
+    }
+    let body = if o.head {
+        axum::body::Body::empty()
+    } else {
+        counted_body(reg.store.read(&o.key, r).await?)
+    };
+    Ok(builder
+        .body(body)
+        .map_err(|e| ApiError::internal("response", e))?
+        .into_response())
+}
+
 pub async fn get(
     reg: &AppState,
     name: RepoName,
@@ -70,37 +120,19 @@ pub async fn get(
         .index
         .repo_blob(&name, &digest)?
         .ok_or_else(|| ApiError::blob_unknown(&digest))?;
-    let range = parse_range(header_str(headers, header::RANGE), size).map_err(|msg| {
-        ApiError::new(StatusCode::RANGE_NOT_SATISFIABLE, "RANGE_INVALID", msg)
-            .with_header(header::CONTENT_RANGE, &format!("bytes */{size}"))
-    })?;
-    let (status, r) = match range {
-        Some(r) => (StatusCode::PARTIAL_CONTENT, r),
-        None => (StatusCode::OK, 0..size),
-    };
-    let mut builder = Response::builder()
-        .status(status)
-        .header(header::CONTENT_TYPE, "application/octet-stream")
-        .header(header::CONTENT_LENGTH, r.end - r.start)
-        .header(header::ACCEPT_RANGES, "bytes")
-        .header(header::ETAG, format!("\"{digest}\""))
-        .header(header::CACHE_CONTROL, "max-age=31536000, immutable")
-        .header("Docker-Content-Digest", digest.to_string());
-    if status == StatusCode::PARTIAL_CONTENT {
-        builder = builder.header(
-            header::CONTENT_RANGE,
-            format!("bytes {}-{}/{size}", r.start, r.end - 1),
-        );
-    }
-    let body = if head {
-        axum::body::Body::empty()
-    } else {
-        counted_body(reg.store.read(&ObjectKey::blob(&digest), r).await?)
-    };
-    Ok(builder
-        .body(body)
-        .map_err(|e| ApiError::internal("response", e))?
-        .into_response())
+    serve_object(
+        reg,
+        ObjectResponse {
+            key: ObjectKey::blob(&digest),
+            size,
+            range: header_str(headers, header::RANGE),
+            head,
+            content_type: "application/octet-stream",
+            etag: digest.to_string(),
+            extra: vec![("Docker-Content-Digest", digest.to_string())],
+        },
+    )
+    .await
 }
 
 #[cfg(test)]
