@@ -1,6 +1,8 @@
-//! `amber-registry fsck`: re-hashes every stored object and checks the index against the
-//! store. Reports problems; changes nothing.
+//! `amber-registry fsck`: re-hashes every stored object (blobs by their OCI digest,
+//! chunks by blake3 of their decompressed bytes, block manifests by their env digest) and
+//! checks the index against the store. Reports problems; changes nothing.
 
+use amber_converter::manifest::{ChunkId, ManifestEnvelope};
 use futures_util::StreamExt;
 
 use crate::digest::Digest;
@@ -77,6 +79,45 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
             });
         }
     }
+    // Chunks: zstd bytes whose decompressed content hashes (blake3) to the name.
+    let chunk_keys = reg.store.list("chunks/").await?;
+    for key in &chunk_keys {
+        let name = key.as_str().rsplit('/').next().unwrap_or("");
+        let Ok(id) = format!("blake3:{name}").parse::<ChunkId>() else {
+            problems.push(Problem::UnexpectedObject {
+                key: key.as_str().into(),
+            });
+            continue;
+        };
+        let bytes = reg.store.read_all(key).await?;
+        let actual = zstd::stream::decode_all(&bytes[..]).map(|d| ChunkId::of(&d));
+        match actual {
+            Ok(a) if a == id => {}
+            Ok(a) => problems.push(Problem::CorruptObject {
+                key: key.as_str().into(),
+                actual: a.to_string(),
+            }),
+            Err(e) => problems.push(Problem::CorruptObject {
+                key: key.as_str().into(),
+                actual: format!("undecodable zstd: {e}"),
+            }),
+        }
+    }
+    // Block manifests: stored under the digest of their canonical encoding.
+    let env_keys = reg.store.list("envs/").await?;
+    for key in &env_keys {
+        let name = key.as_str().rsplit('/').next().unwrap_or("");
+        let bytes = reg.store.read_all(key).await?;
+        let actual = serde_json::from_slice::<ManifestEnvelope>(&bytes)
+            .map(|e| e.manifest.env_digest().hex());
+        if actual.as_deref().ok() != Some(name) {
+            let actual = actual.unwrap_or_else(|e| format!("unparsable envelope: {e}"));
+            problems.push(Problem::CorruptObject {
+                key: key.as_str().into(),
+                actual,
+            });
+        }
+    }
     for (digest, indexed) in reg.index.blobs()? {
         match reg.store.stat(&ObjectKey::blob(&digest)).await? {
             None => problems.push(Problem::MissingObject {
@@ -90,5 +131,5 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
             Some(_) => {}
         }
     }
-    Ok((keys.len(), problems))
+    Ok((keys.len() + chunk_keys.len() + env_keys.len(), problems))
 }

@@ -406,3 +406,48 @@ async fn chunks_are_served_with_ranges_and_immutable_headers() {
         .unwrap();
     assert_eq!(r.status(), 416);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsck_checks_chunks_and_block_manifests() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = Server::start_in(tmp.path(), &[]);
+    push_image(
+        &s,
+        "conv/fsck",
+        "v1",
+        &layers().into_iter().map(|t| (t, TAR)).collect::<Vec<_>>(),
+    )
+    .await;
+    let v = settled(&s, "conv/fsck", "v1").await;
+    let (envelope, _) = device_from_api(&s, v["env_digest"].as_str().unwrap()).await;
+    drop(s);
+    let fsck = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_amber-registry"))
+            .args(["fsck", "--data"])
+            .arg(tmp.path())
+            .output()
+            .unwrap()
+    };
+    let out = fsck();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let hex = envelope.manifest.extents[0].chunk.hex();
+    let path = tmp
+        .path()
+        .join(format!("store/chunks/blake3/{}/{hex}", &hex[..2]));
+    std::fs::write(&path, zstd::bulk::compress(b"not the chunk", 3).unwrap()).unwrap();
+    let out = fsck();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success());
+    assert!(
+        stdout.contains(&format!(
+            "object chunks/blake3/{}/{hex} is corrupt",
+            &hex[..2]
+        )),
+        "{stdout}"
+    );
+    assert!(stdout.contains(", 1 problems"), "{stdout}");
+}
