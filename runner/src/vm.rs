@@ -65,8 +65,20 @@ impl VmSpec {
     }
 }
 
-/// Boots the VM, runs `req`, relays output; returns the exit status.
-pub async fn run(spec: &VmSpec, req: &Request, timeout: Option<Duration>) -> anyhow::Result<i32> {
+/// What a run produced: its status and the digests of what it wrote.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Outcome {
+    pub status: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Boots the VM, runs `req`, relays output unchanged; returns the outcome.
+pub async fn run(
+    spec: &VmSpec,
+    req: &Request,
+    timeout: Option<Duration>,
+) -> anyhow::Result<Outcome> {
     let ctl = spec.work.join("ctl.sock");
     let console = spec.work.join("console.log");
     let mut qemu = tokio::process::Command::new(&spec.qemu)
@@ -109,16 +121,20 @@ pub async fn run(spec: &VmSpec, req: &Request, timeout: Option<Duration>) -> any
         Ok(())
     });
     let relay = async {
+        use sha2::Digest as _;
         let mut out = tokio::io::stdout();
         let mut err = tokio::io::stderr();
+        let (mut out_hash, mut err_hash) = (sha2::Sha256::new(), sha2::Sha256::new());
         let mut agent_error = None;
         while let Some((kind, data)) = rx.recv().await {
             match kind {
                 STDOUT => {
+                    out_hash.update(&data);
                     out.write_all(&data).await?;
                     out.flush().await?;
                 }
                 STDERR => {
+                    err_hash.update(&data);
                     err.write_all(&data).await?;
                     err.flush().await?;
                 }
@@ -132,7 +148,11 @@ pub async fn run(spec: &VmSpec, req: &Request, timeout: Option<Duration>) -> any
                     if let Some(e) = agent_error {
                         bail!("the guest could not run the command: {e}");
                     }
-                    return Ok(code);
+                    return Ok(Outcome {
+                        status: code,
+                        stdout: format!("sha256:{}", hex::encode(out_hash.finalize())),
+                        stderr: format!("sha256:{}", hex::encode(err_hash.finalize())),
+                    });
                 }
                 _ => {}
             }

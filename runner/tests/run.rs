@@ -53,21 +53,20 @@ fn docker() -> Command {
 struct Registry {
     child: Child,
     addr: String,
-    _data: tempfile::TempDir,
 }
 
 impl Registry {
-    fn start() -> Registry {
+    /// The registry on `data`, listening on `listen` (port 0: any free port).
+    fn start(data: &Path, listen: &str) -> Registry {
         let bin = target_dir().join("amber-registry");
         assert!(
             bin.exists(),
             "{} is missing: build the workspace first",
             bin.display()
         );
-        let data = tempfile::tempdir().unwrap();
         let mut child = Command::new(bin)
-            .args(["serve", "--listen", "127.0.0.1:0", "--data"])
-            .arg(data.path())
+            .args(["serve", "--listen", listen, "--data"])
+            .arg(data)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -81,11 +80,7 @@ impl Registry {
             .strip_prefix("listening on ")
             .expect("registry started")
             .to_string();
-        Registry {
-            child,
-            addr,
-            _data: data,
-        }
+        Registry { child, addr }
     }
 }
 
@@ -107,8 +102,9 @@ fn amber(reg: &Registry, args: &[&str]) -> Output {
 }
 
 #[test]
-fn amber_run_matches_docker_run() {
-    let reg = Registry::start();
+fn amber_run_matches_docker_run_and_a_receipt_reproduces() {
+    let data = tempfile::tempdir().unwrap();
+    let reg = Registry::start(data.path(), "127.0.0.1:0");
     let setup = Command::new(target_dir().join("amber"))
         .args(["setup", "--guest", &env("AMBER_GUEST")])
         .env("AMBER_HOME", env("AMBER_TEST_HOME"))

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use amber_runner::{image, kernel, vm};
+use amber_runner::{image, kernel, receipt, vm};
 use amber_snapshotter::cache::ChunkCache;
 use amber_snapshotter::device::LazyDevice;
 use amber_snapshotter::source::RegistrySource;
@@ -37,6 +37,8 @@ enum Cmd {
     },
     /// Run a command in a fresh microVM of REF, as `docker run REF CMD` would.
     Run(RunArgs),
+    /// Boot exactly what a receipt pinned and run its command again.
+    Reproduce { receipt: PathBuf },
 }
 
 #[derive(clap::Args)]
@@ -62,6 +64,9 @@ struct RunArgs {
     /// QEMU accelerator: tcg or kvm.
     #[arg(long, env = "AMBER_ACCEL", default_value = "tcg")]
     accel: String,
+    /// Write a receipt of the run (every digest it depended on) to this file.
+    #[arg(long)]
+    receipt: Option<PathBuf>,
     /// The command; without it the image's Cmd runs.
     #[arg(last = true)]
     command: Vec<String>,
@@ -99,10 +104,11 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Cmd::Run(a) => run_cmd(&cli.registry, &dir, a).await,
+        Cmd::Reproduce { receipt } => reproduce(&dir, &receipt).await,
     }
 }
 
-async fn run_cmd(registry: &str, dir: &std::path::Path, a: RunArgs) -> anyhow::Result<i32> {
+fn node_files(dir: &std::path::Path) -> anyhow::Result<(PathBuf, PathBuf)> {
     let vmlinuz = dir
         .join("kernel")
         .join(kernel::KERNEL_RELEASE)
@@ -112,6 +118,97 @@ async fn run_cmd(registry: &str, dir: &std::path::Path, a: RunArgs) -> anyhow::R
         vmlinuz.exists() && initramfs.exists(),
         "this node is not set up: run `amber setup`"
     );
+    Ok((vmlinuz, initramfs))
+}
+
+/// Boots `env` and runs `req` on it.
+async fn boot(
+    registry: &str,
+    dir: &std::path::Path,
+    env: &amber_converter::manifest::EnvDigest,
+    req: &amber_guest::Request,
+    shape: &receipt::Vm,
+    timeout: Option<Duration>,
+) -> anyhow::Result<vm::Outcome> {
+    let (vmlinuz, initramfs) = node_files(dir)?;
+    let work = tempfile_dir(dir)?;
+    let source = Arc::new(RegistrySource::new(registry));
+    let envelope = match source.manifest(env).await {
+        Err(amber_snapshotter::source::SourceError::NotFound(_)) => {
+            anyhow::bail!("env {env} is not in the registry at {registry}")
+        }
+        r => r?,
+    };
+    let cache = Arc::new(ChunkCache::open(dir.join("chunks"), 20 << 30, source)?);
+    let device = Arc::new(LazyDevice::new(envelope.manifest, cache));
+    let nbd_socket = work.join("root.sock");
+    let listener = tokio::net::UnixListener::bind(&nbd_socket)?;
+    let server = tokio::spawn(amber_snapshotter::nbd::serve(
+        listener,
+        "amber".into(),
+        device,
+    ));
+    let spec = vm::VmSpec {
+        qemu: PathBuf::from("qemu-system-x86_64"),
+        accel: shape.accel.clone(),
+        cpus: shape.cpus,
+        memory_mib: shape.memory_mib,
+        kernel: vmlinuz,
+        initramfs,
+        nbd_socket,
+        work: work.clone(),
+    };
+    let result = vm::run(&spec, req, timeout).await;
+    server.abort();
+    let _ = std::fs::remove_dir_all(&work);
+    result
+}
+
+async fn reproduce(dir: &std::path::Path, path: &std::path::Path) -> anyhow::Result<i32> {
+    let text =
+        std::fs::read(path).with_context(|| format!("reading receipt {}", path.display()))?;
+    let r: receipt::Receipt =
+        serde_json::from_slice(&text).with_context(|| format!("receipt {}", path.display()))?;
+    anyhow::ensure!(
+        r.version == receipt::RECEIPT_VERSION,
+        "receipt version {} is not supported",
+        r.version
+    );
+    anyhow::ensure!(
+        r.kernel_release == kernel::KERNEL_RELEASE,
+        "the receipt pinned kernel {} but this node has {}: run a matching amber",
+        r.kernel_release,
+        kernel::KERNEL_RELEASE
+    );
+    let (vmlinuz, initramfs) = node_files(dir)?;
+    let k = kernel::sha256_file(&vmlinuz)?;
+    anyhow::ensure!(
+        k == r.kernel,
+        "the pinned kernel {} is not on this node (it has {k})",
+        r.kernel
+    );
+    let i = kernel::sha256_file(&initramfs)?;
+    anyhow::ensure!(i == r.initramfs, "the pinned initramfs {} is not on this node (it has {i}): run `amber setup` with the same guest agent", r.initramfs);
+    let env: amber_converter::manifest::EnvDigest = r.env_digest.parse()?;
+    let out = boot(&r.registry, dir, &env, &r.request, &r.vm, None).await?;
+    let same = out.status == r.exit_status && out.stdout == r.stdout && out.stderr == r.stderr;
+    if same {
+        eprintln!(
+            "amber: reproduced {}: exit {}, stdout {}, stderr {} (identical)",
+            r.env_digest, out.status, out.stdout, out.stderr
+        );
+        Ok(out.status)
+    } else {
+        eprintln!(
+            "amber: NOT reproduced: receipt exit {} stdout {} stderr {}; now exit {} stdout {} stderr {}",
+            r.exit_status, r.stdout, r.stderr, out.status, out.stdout, out.stderr
+        );
+        Ok(if out.status == 0 { 1 } else { out.status })
+    }
+}
+
+async fn run_cmd(registry: &str, dir: &std::path::Path, a: RunArgs) -> anyhow::Result<i32> {
+    node_files(dir)?;
     let resolved = image::resolve(registry, &a.reference, Duration::from_secs(600)).await?;
     let c = &resolved.config;
     let argv: Vec<String> = if a.command.is_empty() {
@@ -157,32 +254,42 @@ async fn run_cmd(registry: &str, dir: &std::path::Path, a: RunArgs) -> anyhow::R
         user: a.user.clone().unwrap_or_else(|| c.user.clone()),
         hostname,
     };
-    let work = tempfile_dir(dir)?;
-    let source = Arc::new(RegistrySource::new(registry));
-    let envelope = source.manifest(&resolved.env).await?;
-    let cache = Arc::new(ChunkCache::open(dir.join("chunks"), 20 << 30, source)?);
-    let device = Arc::new(LazyDevice::new(envelope.manifest, cache));
-    let nbd_socket = work.join("root.sock");
-    let listener = tokio::net::UnixListener::bind(&nbd_socket)?;
-    let server = tokio::spawn(amber_snapshotter::nbd::serve(
-        listener,
-        "amber".into(),
-        device,
-    ));
-    let spec = vm::VmSpec {
-        qemu: PathBuf::from("qemu-system-x86_64"),
+    let shape = receipt::Vm {
         accel: a.accel.clone(),
         cpus: a.cpus,
         memory_mib: a.memory,
-        kernel: vmlinuz,
-        initramfs,
-        nbd_socket,
-        work: work.clone(),
     };
-    let result = vm::run(&spec, &req, a.timeout.map(Duration::from_secs)).await;
-    server.abort();
-    let _ = std::fs::remove_dir_all(&work);
-    result
+    let out = boot(
+        registry,
+        dir,
+        &resolved.env,
+        &req,
+        &shape,
+        a.timeout.map(Duration::from_secs),
+    )
+    .await?;
+    if let Some(path) = &a.receipt {
+        let (vmlinuz, initramfs) = node_files(dir)?;
+        let r = receipt::Receipt {
+            version: receipt::RECEIPT_VERSION,
+            registry: registry.to_string(),
+            reference: a.reference.clone(),
+            image_digest: resolved.image_digest.clone(),
+            env_digest: resolved.env.to_string(),
+            kernel_release: kernel::KERNEL_RELEASE.to_string(),
+            kernel: kernel::sha256_file(&vmlinuz)?,
+            initramfs: kernel::sha256_file(&initramfs)?,
+            qemu: receipt::qemu_version(),
+            vm: shape,
+            request: req,
+            exit_status: out.status,
+            stdout: out.stdout.clone(),
+            stderr: out.stderr.clone(),
+        };
+        std::fs::write(path, serde_json::to_vec_pretty(&r)?)
+            .with_context(|| format!("writing receipt {}", path.display()))?;
+    }
+    Ok(out.status)
 }
 
 fn tempfile_dir(dir: &std::path::Path) -> anyhow::Result<PathBuf> {

@@ -1,0 +1,45 @@
+//! Receipts: every digest a run depended on (image, env, kernel, initramfs), the VM shape,
+//! the exact request, and the exit status and output digests. `amber reproduce` boots
+//! exactly those bytes and compares the outcome.
+
+use serde::{Deserialize, Serialize};
+
+pub const RECEIPT_VERSION: u32 = 1;
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Vm {
+    pub accel: String,
+    pub cpus: u32,
+    pub memory_mib: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Receipt {
+    pub version: u32,
+    pub registry: String,
+    pub reference: String,
+    pub image_digest: Option<String>,
+    pub env_digest: String,
+    pub kernel_release: String,
+    /// sha256 of the vmlinuz the VM booted.
+    pub kernel: String,
+    /// sha256 of the initramfs (guest agent + modules).
+    pub initramfs: String,
+    pub qemu: String,
+    pub vm: Vm,
+    pub request: amber_guest::Request,
+    pub exit_status: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// `qemu-system-x86_64 --version`, first line.
+pub fn qemu_version() -> String {
+    std::process::Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.lines().next().map(str::to_string))
+        .unwrap_or_else(|| "unknown".into())
+}
