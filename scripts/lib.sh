@@ -75,11 +75,21 @@ stop_pid() {
   rm -f "$f"
 }
 
+# stop_dockerd: stops our Docker engine and unmounts what it left mounted under its
+# directory (the network namespace of its default network), so the run dir can be removed.
+stop_dockerd() {
+  stop_pid dockerd
+  local m
+  for m in $(awk -v d="$RUN_DIR/docker/" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r); do
+    umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
+  done
+}
+
 # start_dockerd: a Docker engine of our own on a Unix socket in $RUN_DIR, vfs storage,
 # no networking changes on the host. Exports DOCKER_SOCK.
 start_dockerd() {
   local d="$RUN_DIR/docker"
-  stop_pid dockerd
+  stop_dockerd
   mkdir -p "$d"
   export DOCKER_SOCK="unix://$d/docker.sock"
   log "starting a Docker engine on $DOCKER_SOCK"
