@@ -18,8 +18,16 @@ pub struct VmSpec {
     pub memory_mib: u32,
     pub kernel: PathBuf,
     pub initramfs: PathBuf,
-    pub nbd_socket: PathBuf,
+    pub root: Root,
     pub work: PathBuf,
+}
+
+/// Where the VM's root disk comes from.
+pub enum Root {
+    /// The env's lazy, verified NBD export (the product path).
+    Nbd(PathBuf),
+    /// A local raw image file (for benchmarks against the lazy path).
+    RawFile(PathBuf),
 }
 
 impl VmSpec {
@@ -49,10 +57,16 @@ impl VmSpec {
             "-append".into(),
             "console=ttyS0 panic=-1 quiet tsc_early_khz=2000000 rdinit=/init".into(),
             "-blockdev".into(),
-            format!(
-                "driver=nbd,node-name=root,server.type=unix,server.path={},export=amber,read-only=on",
-                self.nbd_socket.display()
-            ),
+            match &self.root {
+                Root::Nbd(socket) => format!(
+                    "driver=nbd,node-name=root,server.type=unix,server.path={},export=amber,read-only=on",
+                    socket.display()
+                ),
+                Root::RawFile(path) => format!(
+                    "driver=raw,node-name=root,read-only=on,file.driver=file,file.filename={}",
+                    path.display()
+                ),
+            },
             "-device".into(),
             "virtio-blk-device,drive=root".into(),
             "-device".into(),

@@ -67,6 +67,12 @@ struct RunArgs {
     /// Write a receipt of the run (every digest it depended on) to this file.
     #[arg(long)]
     receipt: Option<PathBuf>,
+    /// Fetch every chunk of the env into the node cache before booting (benchmarks).
+    #[arg(long)]
+    prefetch: bool,
+    /// Boot from this local raw image of the env instead of its NBD export (benchmarks).
+    #[arg(long)]
+    root_image: Option<PathBuf>,
     /// The command; without it the image's Cmd runs.
     #[arg(last = true)]
     command: Vec<String>,
@@ -121,6 +127,13 @@ fn node_files(dir: &std::path::Path) -> anyhow::Result<(PathBuf, PathBuf)> {
     Ok((vmlinuz, initramfs))
 }
 
+/// How to attach the root disk.
+#[derive(Default)]
+struct BootOptions {
+    prefetch: bool,
+    root_image: Option<PathBuf>,
+}
+
 /// Boots `env` and runs `req` on it.
 async fn boot(
     registry: &str,
@@ -129,6 +142,7 @@ async fn boot(
     req: &amber_guest::Request,
     shape: &receipt::Vm,
     timeout: Option<Duration>,
+    opts: BootOptions,
 ) -> anyhow::Result<vm::Outcome> {
     let (vmlinuz, initramfs) = node_files(dir)?;
     let work = tempfile_dir(dir)?;
@@ -140,6 +154,21 @@ async fn boot(
         r => r?,
     };
     let cache = Arc::new(ChunkCache::open(dir.join("chunks"), 20 << 30, source)?);
+    if opts.prefetch {
+        use futures_util::StreamExt;
+        let reads = envelope
+            .manifest
+            .extents
+            .iter()
+            .map(|e| cache.read(&e.chunk, e.length, 0, 1));
+        let results: Vec<_> = futures_util::stream::iter(reads)
+            .buffer_unordered(8)
+            .collect()
+            .await;
+        for r in results {
+            r.map_err(|e| anyhow::anyhow!("prefetching: {e}"))?;
+        }
+    }
     let device = Arc::new(LazyDevice::new(envelope.manifest, cache));
     let nbd_socket = work.join("root.sock");
     let listener = tokio::net::UnixListener::bind(&nbd_socket)?;
@@ -148,6 +177,10 @@ async fn boot(
         "amber".into(),
         device,
     ));
+    let root = match opts.root_image {
+        Some(p) => vm::Root::RawFile(p),
+        None => vm::Root::Nbd(nbd_socket),
+    };
     let spec = vm::VmSpec {
         qemu: PathBuf::from("qemu-system-x86_64"),
         accel: shape.accel.clone(),
@@ -155,7 +188,7 @@ async fn boot(
         memory_mib: shape.memory_mib,
         kernel: vmlinuz,
         initramfs,
-        nbd_socket,
+        root,
         work: work.clone(),
     };
     let result = vm::run(&spec, req, timeout).await;
@@ -190,7 +223,16 @@ async fn reproduce(dir: &std::path::Path, path: &std::path::Path) -> anyhow::Res
     let i = kernel::sha256_file(&initramfs)?;
     anyhow::ensure!(i == r.initramfs, "the pinned initramfs {} is not on this node (it has {i}): run `amber setup` with the same guest agent", r.initramfs);
     let env: amber_converter::manifest::EnvDigest = r.env_digest.parse()?;
-    let out = boot(&r.registry, dir, &env, &r.request, &r.vm, None).await?;
+    let out = boot(
+        &r.registry,
+        dir,
+        &env,
+        &r.request,
+        &r.vm,
+        None,
+        BootOptions::default(),
+    )
+    .await?;
     let same = out.status == r.exit_status && out.stdout == r.stdout && out.stderr == r.stderr;
     if same {
         eprintln!(
@@ -259,6 +301,10 @@ async fn run_cmd(registry: &str, dir: &std::path::Path, a: RunArgs) -> anyhow::R
         cpus: a.cpus,
         memory_mib: a.memory,
     };
+    let opts = BootOptions {
+        prefetch: a.prefetch,
+        root_image: a.root_image.clone(),
+    };
     let out = boot(
         registry,
         dir,
@@ -266,6 +312,7 @@ async fn run_cmd(registry: &str, dir: &std::path::Path, a: RunArgs) -> anyhow::R
         &req,
         &shape,
         a.timeout.map(Duration::from_secs),
+        opts,
     )
     .await?;
     if let Some(path) = &a.receipt {
