@@ -182,7 +182,7 @@ def registry_section(res, image_set_desc, runs):
         "(`fixtures/bench/make_image_set.py`, seeded, incompressible data). Client:",
         f"`{tool_version(['skopeo', '--version'])}`, copying `oci:` layout -> registry (push) and registry -> `dir:` (pull).",
         "Peer: CNCF distribution (`" + tool_version(["docker-registry", "--version"]) + "`), filesystem storage.",
-        f"Method: {runs} runs per registry, alternating which goes first; each run starts the",
+        f"Method: {runs} runs per registry, rotating which goes first; each run starts the",
         "registry on an empty data directory, pushes, pulls, then reads the server's peak",
         "resident set (VmHWM from /proc) and its CPU time (utime + stime) before stopping it.",
         "amber is the release build on local disk + RocksDB, measured as an OCI registry with",

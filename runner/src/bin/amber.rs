@@ -36,7 +36,7 @@ enum Cmd {
         guest: PathBuf,
     },
     /// Run a command in a fresh microVM of REF, as `docker run REF CMD` would.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Boot exactly what a receipt pinned and run its command again.
     Reproduce { receipt: PathBuf },
 }
@@ -109,7 +109,7 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
             println!("initramfs {}", kernel::sha256_file(&k.initramfs)?);
             Ok(0)
         }
-        Cmd::Run(a) => run_cmd(&cli.registry, &dir, a).await,
+        Cmd::Run(a) => run_cmd(&cli.registry, &dir, *a).await,
         Cmd::Reproduce { receipt } => reproduce(&dir, &receipt).await,
     }
 }
