@@ -109,7 +109,8 @@ impl<'a> Chunker<'a> {
     }
 
     /// One regular file placed at `offset` (block aligned); `data` yields its `len` bytes
-    /// (zero-padded here to the block end). `hash` is blake3 of the content.
+    /// (zero-padded here to the block end). `hash` is blake3 of the content (only read for
+    /// files below `LARGE_FILE`).
     pub fn file(
         &mut self,
         offset: u64,

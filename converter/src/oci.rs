@@ -18,6 +18,17 @@ pub enum SourceError {
     Format { path: PathBuf, msg: String },
 }
 
+/// The digest of the linux/amd64 entry of an image index (or manifest list), the image
+/// amber converts and runs for a multi-platform reference.
+pub fn linux_amd64_digest(index: &Value) -> Option<&str> {
+    index["manifests"]
+        .as_array()?
+        .iter()
+        .find(|m| m["platform"]["os"] == "linux" && m["platform"]["architecture"] == "amd64")?
+        ["digest"]
+        .as_str()
+}
+
 /// An image found in a source: its layers as files, in order.
 pub struct SourceImage {
     pub manifest_digest: Option<String>,
@@ -67,14 +78,9 @@ pub fn oci_layout(dir: &Path) -> Result<SourceImage, SourceError> {
             .to_string();
         let m = read_json(&blob_path(dir, &digest)?)?;
         if let Some(children) = m["manifests"].as_array() {
-            desc = children
-                .iter()
-                .find(|c| {
-                    c["platform"]["os"] == "linux" && c["platform"]["architecture"] == "amd64"
-                })
-                .or_else(|| children.first())
-                .cloned()
-                .ok_or_else(|| fmt(format!("index {digest} is empty")))?;
+            let chosen = linux_amd64_digest(&m).or_else(|| children.first()?["digest"].as_str());
+            let chosen = chosen.ok_or_else(|| fmt(format!("index {digest} is empty")))?;
+            desc = serde_json::json!({ "digest": chosen });
             continue;
         }
         let layers = m["layers"]

@@ -30,7 +30,8 @@ pub const MAX_PATH: usize = 4096;
 pub struct DataRef {
     pub offset: u64,
     pub len: u64,
-    /// blake3 of the contents.
+    /// blake3 of the contents for files below `chunk::LARGE_FILE` (their pack cuts
+    /// depend on it); zeros for large files, whose chunks are named when they are cut.
     pub hash: [u8; 32],
 }
 
@@ -570,7 +571,7 @@ fn spill<R: Read>(
     buf: &mut [u8],
 ) -> Result<DataRef, SpillError> {
     let declared = e.size();
-    let mut hasher = blake3::Hasher::new();
+    let mut hasher = (declared < crate::chunk::LARGE_FILE).then(blake3::Hasher::new);
     let offset = *scratch_len;
     let mut got = 0u64;
     loop {
@@ -580,7 +581,9 @@ fn spill<R: Read>(
             Err(x) if x.kind() == io::ErrorKind::Interrupted => continue,
             Err(x) => return Err(SpillError::Read(x)),
         };
-        hasher.update(&buf[..n]);
+        if let Some(h) = hasher.as_mut() {
+            h.update(&buf[..n]);
+        }
         scratch.write_all(&buf[..n]).map_err(SpillError::Write)?;
         got += n as u64;
     }
@@ -592,6 +595,6 @@ fn spill<R: Read>(
     Ok(DataRef {
         offset,
         len: got,
-        hash: *hasher.finalize().as_bytes(),
+        hash: hasher.map_or([0; 32], |h| *h.finalize().as_bytes()),
     })
 }

@@ -21,7 +21,7 @@ use serde_json::{json, Value};
 use tokio::runtime::Handle;
 use tokio_util::io::{StreamReader, SyncIoBridge};
 
-use crate::api::manifests::{parse_manifest, ManifestKind};
+use crate::api::manifests::{ManifestKind, ParsedManifest};
 use crate::digest::{Algorithm, Digest};
 use crate::index::{Conversion, ConversionState, ManifestRecord, ManifestWrite};
 use crate::names::RepoName;
@@ -46,17 +46,14 @@ fn is_image_config(media_type: &str) -> bool {
     )
 }
 
-/// Decides what a pushed manifest means for conversion; queues the image if needed.
+/// Decides what a pushed (already validated) manifest means for conversion; queues the
+/// image if needed.
 pub fn on_manifest_pushed(
     reg: &Arc<Registry>,
     repo: &RepoName,
     digest: &Digest,
-    bytes: &[u8],
-    media_type: &str,
+    parsed: &ParsedManifest,
 ) {
-    let Ok(parsed) = parse_manifest(bytes, Some(media_type)) else {
-        return;
-    };
     let target = match parsed.kind {
         ManifestKind::Image => {
             let config_ok = parsed
@@ -69,15 +66,9 @@ pub fn on_manifest_pushed(
             digest.clone()
         }
         ManifestKind::Index => {
-            let v: Value = serde_json::from_slice(bytes).unwrap_or(Value::Null);
-            let Some(child) = v["manifests"].as_array().and_then(|ms| {
-                ms.iter().find(|m| {
-                    m["platform"]["os"] == "linux" && m["platform"]["architecture"] == "amd64"
-                })
-            }) else {
-                return;
-            };
-            match child["digest"].as_str().and_then(|d| d.parse().ok()) {
+            match amber_converter::oci::linux_amd64_digest(&parsed.document)
+                .and_then(|d| d.parse().ok())
+            {
                 Some(d) => d,
                 None => return,
             }

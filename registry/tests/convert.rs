@@ -197,13 +197,6 @@ async fn pushed_images_convert_to_the_same_device_whatever_the_compression() {
     );
 }
 
-fn metric(text: &str, name: &str) -> u64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .map(|v| v.trim().parse::<f64>().unwrap() as u64)
-        .unwrap_or(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_block_manifest_is_a_referrer_of_the_image() {
     let s = Server::start(&[]);

@@ -42,10 +42,7 @@ async fn bytes_in(s: &Server) -> u64 {
         .text()
         .await
         .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix("amber_http_body_bytes_in_total "))
-        .map(|v| v.trim().parse::<f64>().unwrap() as u64)
-        .unwrap_or(0)
+    metric(&text, "amber_http_body_bytes_in_total")
 }
 
 /// Waits until the server has stored at least `n` request body bytes (an observable

@@ -75,14 +75,7 @@ async fn resolve(reg: &AppState, name: RepoName, r: Reference) -> ApiResult<Resp
         let bytes = reg.store.read_all(&ObjectKey::blob(&digest)).await?;
         let v: Value =
             serde_json::from_slice(&bytes).map_err(|e| ApiError::internal("stored index", e))?;
-        image = v["manifests"]
-            .as_array()
-            .and_then(|ms| {
-                ms.iter().find(|m| {
-                    m["platform"]["os"] == "linux" && m["platform"]["architecture"] == "amd64"
-                })
-            })
-            .and_then(|m| m["digest"].as_str())
+        image = amber_converter::oci::linux_amd64_digest(&v)
             .and_then(|d| d.parse::<Digest>().ok())
             .ok_or_else(|| {
                 ApiError::new(

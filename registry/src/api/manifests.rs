@@ -89,6 +89,8 @@ pub struct ParsedManifest {
     pub blobs: Vec<Descriptor>,
     /// Child manifests (of an index).
     pub children: Vec<Descriptor>,
+    /// The whole document, for fields the registry does not model (platforms).
+    pub document: Value,
 }
 
 /// Validates manifest bytes sent with `content_type`. Pure; no storage access.
@@ -168,6 +170,7 @@ pub fn parse_manifest(bytes: &[u8], content_type: Option<&str>) -> ApiResult<Par
         annotations: o.get("annotations").cloned(),
         blobs,
         children,
+        document: v,
     })
 }
 
@@ -314,7 +317,7 @@ pub async fn put(
         referrer,
     })?;
     tracing::info!(repo = %name, reference = %r, %digest, media_type = %parsed.media_type, "manifest pushed");
-    crate::convert::on_manifest_pushed(reg, &name, &digest, &bytes, &parsed.media_type);
+    crate::convert::on_manifest_pushed(reg, &name, &digest, &parsed);
     let mut resp = (
         StatusCode::CREATED,
         [

@@ -206,3 +206,11 @@ pub fn docker(args: &[&str]) -> String {
     require_tool("docker");
     run(Command::new("docker").arg("-H").arg(host).args(args))
 }
+
+/// The value of an unlabelled counter or gauge in a `/metrics` text (0 when absent).
+pub fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .map(|v| v.trim().parse::<f64>().unwrap() as u64)
+        .unwrap_or(0)
+}
