@@ -1,16 +1,34 @@
-//! The guest kernel on this node: a pinned Debian cloud kernel package, unpacked into the
-//! node directory by `amber setup` (vmlinuz and the modules the guest loads), and the
-//! initramfs built from it and the guest agent.
+//! The guest's boot files on this node and in the registry: the pinned Debian cloud
+//! kernel (vmlinuz and the modules the guest loads) and the initramfs built from them and
+//! the guest agent.
+//!
+//! `amber setup` takes the kernel from the registry's `amber/guest` repository (tag
+//! `kernel-<release>`) or, the first time anywhere, from the Debian archive, and pushes
+//! it there as an OCI artifact; it pushes the initramfs too (tag `boot-<digest>`), so a
+//! receipt's boot files can always be fetched by digest, whatever the archive keeps.
+//! Boot files live on the node under `boot/<sha256 hex>`; `node.json` says which ones
+//! this node runs and which accelerator its probe boot chose.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 
 /// The pinned kernel package (Debian bookworm, cloud flavour).
 pub const KERNEL_PACKAGE: &str = "linux-image-6.1.0-57-cloud-amd64";
 pub const KERNEL_RELEASE: &str = "6.1.0-57-cloud-amd64";
+
+/// The registry repository holding boot files.
+pub const GUEST_REPO: &str = "amber/guest";
+const ARTIFACT_TYPE: &str = "application/vnd.amber.guest.v1";
+const VMLINUZ_TYPE: &str = "application/vnd.amber.guest.vmlinuz";
+const MODULES_TYPE: &str = "application/vnd.amber.guest.modules.v1.tar";
+const INITRAMFS_TYPE: &str = "application/vnd.amber.guest.initramfs.v1.cpio";
+const EMPTY_TYPE: &str = "application/vnd.oci.empty.v1+json";
+const MANIFEST_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
 
 /// Modules the guest needs, in load order (paths under lib/modules/<release>/kernel/).
 pub const MODULES: &[&str] = &[
@@ -24,10 +42,16 @@ pub const MODULES: &[&str] = &[
     "fs/overlayfs/overlay.ko",
 ];
 
-/// What a node needs to boot envs.
-pub struct NodeKernel {
-    pub vmlinuz: PathBuf,
-    pub initramfs: PathBuf,
+/// What this node boots, written by `amber setup`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NodeState {
+    pub kernel_release: String,
+    /// sha256 of vmlinuz.
+    pub kernel: String,
+    /// sha256 of the initramfs.
+    pub initramfs: String,
+    /// `kvm` when a probe boot with KVM succeeded, else `tcg`.
+    pub accel: String,
 }
 
 pub fn node_dir() -> PathBuf {
@@ -40,6 +64,10 @@ pub fn node_dir() -> PathBuf {
     home.join(".cache/amber")
 }
 
+fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(sha2::Sha256::digest(bytes))
+}
+
 pub fn sha256_file(p: &Path) -> anyhow::Result<String> {
     let mut f = std::fs::File::open(p).with_context(|| format!("opening {}", p.display()))?;
     let mut h = sha2::Sha256::new();
@@ -47,69 +75,381 @@ pub fn sha256_file(p: &Path) -> anyhow::Result<String> {
     Ok(format!("sha256:{}", hex::encode(h.finalize())))
 }
 
-/// Unpacks the pinned kernel (downloading the package with apt if needed) and builds the
-/// initramfs around `guest` (the static guest agent). Idempotent.
-pub fn setup(dir: &Path, guest: &Path) -> anyhow::Result<NodeKernel> {
-    let kdir = dir.join("kernel").join(KERNEL_RELEASE);
-    let vmlinuz = kdir.join("vmlinuz");
-    if !vmlinuz.exists()
-        || !MODULES
+/// Where the boot file with this digest lives on the node.
+pub fn boot_path(dir: &Path, digest: &str) -> PathBuf {
+    dir.join("boot")
+        .join(digest.strip_prefix("sha256:").unwrap_or(digest))
+}
+
+/// Stores `bytes` as a boot file; returns its digest.
+fn store_boot_file(dir: &Path, bytes: &[u8]) -> anyhow::Result<String> {
+    let digest = format!("sha256:{}", sha256_hex(bytes));
+    let p = boot_path(dir, &digest);
+    if !p.exists() {
+        std::fs::create_dir_all(p.parent().expect("parent"))?;
+        let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &p)?;
+    }
+    Ok(digest)
+}
+
+pub fn read_node(dir: &Path) -> anyhow::Result<NodeState> {
+    let p = dir.join("node.json");
+    let text = std::fs::read(&p).with_context(|| {
+        format!(
+            "this node is not set up ({}): run `amber setup`",
+            p.display()
+        )
+    })?;
+    serde_json::from_slice(&text).with_context(|| format!("reading {}", p.display()))
+}
+
+/// The registry's `amber/guest` repository.
+struct GuestRepo {
+    http: reqwest::Client,
+    base: String,
+}
+
+impl GuestRepo {
+    fn new(registry: &str) -> GuestRepo {
+        GuestRepo {
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(300))
+                .build()
+                .expect("http client"),
+            base: format!("{registry}/v2/{GUEST_REPO}"),
+        }
+    }
+
+    /// A blob, verified against its digest; `None` when the registry does not have it.
+    async fn blob(&self, digest: &str) -> anyhow::Result<Option<Vec<u8>>> {
+        let url = format!("{}/blobs/{digest}", self.base);
+        let r = self
+            .http
+            .get(&url)
+            .send()
+            .await
+            .with_context(|| format!("GET {url}"))?;
+        if r.status() == reqwest::StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        anyhow::ensure!(r.status().is_success(), "GET {url}: HTTP {}", r.status());
+        let bytes = r.bytes().await?.to_vec();
+        let got = format!("sha256:{}", sha256_hex(&bytes));
+        anyhow::ensure!(
+            got == digest,
+            "GET {url}: the registry sent {got}, not {digest}"
+        );
+        Ok(Some(bytes))
+    }
+
+    async fn push_blob(&self, bytes: &[u8]) -> anyhow::Result<serde_json::Value> {
+        let digest = format!("sha256:{}", sha256_hex(bytes));
+        let head = self
+            .http
+            .head(format!("{}/blobs/{digest}", self.base))
+            .send()
+            .await?;
+        if !head.status().is_success() {
+            let url = format!("{}/blobs/uploads/?digest={digest}", self.base);
+            let r = self
+                .http
+                .post(&url)
+                .header("Content-Type", "application/octet-stream")
+                .body(bytes.to_vec())
+                .send()
+                .await
+                .with_context(|| format!("POST {url}"))?;
+            anyhow::ensure!(
+                r.status() == reqwest::StatusCode::CREATED,
+                "pushing a boot file to {url}: HTTP {}: {}",
+                r.status(),
+                r.text().await.unwrap_or_default()
+            );
+        }
+        Ok(serde_json::json!({"digest": digest, "size": bytes.len()}))
+    }
+
+    /// Pushes an artifact of `layers` (media type, bytes, title) under `tag`.
+    async fn push(&self, tag: &str, layers: &[(&str, &[u8], &str)]) -> anyhow::Result<()> {
+        let mut config = self.push_blob(b"{}").await?;
+        config["mediaType"] = EMPTY_TYPE.into();
+        let mut descs = Vec::new();
+        for (media_type, bytes, title) in layers {
+            let mut d = self.push_blob(bytes).await?;
+            d["mediaType"] = (*media_type).into();
+            d["annotations"] = serde_json::json!({"org.opencontainers.image.title": title});
+            descs.push(d);
+        }
+        let manifest = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_TYPE,
+            "artifactType": ARTIFACT_TYPE,
+            "config": config,
+            "layers": descs,
+        });
+        let url = format!("{}/manifests/{tag}", self.base);
+        let r = self
+            .http
+            .put(&url)
+            .header("Content-Type", MANIFEST_TYPE)
+            .body(serde_json::to_vec(&manifest)?)
+            .send()
+            .await
+            .with_context(|| format!("PUT {url}"))?;
+        anyhow::ensure!(
+            r.status().is_success(),
+            "PUT {url}: HTTP {}: {}",
+            r.status(),
+            r.text().await.unwrap_or_default()
+        );
+        Ok(())
+    }
+
+    /// The layers of the artifact tagged `tag` (title -> digest); `None` if there is none.
+    async fn artifact(&self, tag: &str) -> anyhow::Result<Option<Vec<(String, String)>>> {
+        let url = format!("{}/manifests/{tag}", self.base);
+        let r = self
+            .http
+            .get(&url)
+            .header("Accept", MANIFEST_TYPE)
+            .send()
+            .await
+            .with_context(|| format!("GET {url}"))?;
+        if r.status() == reqwest::StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        anyhow::ensure!(r.status().is_success(), "GET {url}: HTTP {}", r.status());
+        let m: serde_json::Value = r.json().await?;
+        Ok(Some(
+            m["layers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|l| {
+                    Some((
+                        l["annotations"]["org.opencontainers.image.title"]
+                            .as_str()?
+                            .to_string(),
+                        l["digest"].as_str()?.to_string(),
+                    ))
+                })
+                .collect(),
+        ))
+    }
+}
+
+/// The modules as a deterministic tar (sorted, fixed owner, mode and time).
+fn modules_tar(modules: &[(String, Vec<u8>)]) -> anyhow::Result<Vec<u8>> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut sorted: Vec<_> = modules.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, data) in sorted {
+        let mut h = tar::Header::new_ustar();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_mtime(0);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_entry_type(tar::EntryType::Regular);
+        b.append_data(&mut h, name, &data[..])?;
+    }
+    Ok(b.into_inner()?)
+}
+
+fn module_name(m: &str) -> String {
+    Path::new(m)
+        .file_name()
+        .expect("module path")
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// vmlinuz and the modules (file name, bytes).
+type KernelFiles = (Vec<u8>, Vec<(String, Vec<u8>)>);
+
+/// The kernel from the Debian archive.
+fn kernel_from_debian(work: &Path) -> anyhow::Result<KernelFiles> {
+    let _ = std::fs::remove_dir_all(work);
+    std::fs::create_dir_all(work)?;
+    let st = Command::new("apt-get")
+        .args(["download", KERNEL_PACKAGE])
+        .current_dir(work)
+        .status()
+        .context("running apt-get download (Debian's apt fetches the guest kernel once)")?;
+    if !st.success() {
+        bail!("apt-get download {KERNEL_PACKAGE} failed");
+    }
+    let deb = std::fs::read_dir(work)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "deb"))
+        .context("no .deb downloaded")?;
+    let x = work.join("x");
+    let st = Command::new("dpkg-deb")
+        .arg("-x")
+        .arg(&deb)
+        .arg(&x)
+        .status()
+        .context("running dpkg-deb")?;
+    if !st.success() {
+        bail!("dpkg-deb -x {} failed", deb.display());
+    }
+    let vmlinuz = std::fs::read(x.join(format!("boot/vmlinuz-{KERNEL_RELEASE}")))?;
+    let mut modules = Vec::new();
+    for m in MODULES {
+        let src = x.join(format!("lib/modules/{KERNEL_RELEASE}/kernel/{m}"));
+        let data = std::fs::read(&src).with_context(|| format!("reading {}", src.display()))?;
+        modules.push((module_name(m), data));
+    }
+    std::fs::remove_dir_all(work)?;
+    Ok((vmlinuz, modules))
+}
+
+/// Prepares this node: kernel from the registry (or Debian, then pushed), the initramfs
+/// around `guest`, both pushed and stored by digest, and the accelerator probe. Idempotent.
+pub async fn setup(dir: &Path, registry: &str, guest: &Path) -> anyhow::Result<NodeState> {
+    let repo = GuestRepo::new(registry);
+    let kernel_tag = format!("kernel-{KERNEL_RELEASE}");
+    let from_registry = match repo.artifact(&kernel_tag).await? {
+        Some(layers) => {
+            let find = |title: &str| {
+                layers
+                    .iter()
+                    .find(|(t, _)| t == title)
+                    .map(|(_, d)| d.clone())
+                    .with_context(|| format!("{GUEST_REPO}:{kernel_tag} has no {title}"))
+            };
+            let vmlinuz = repo.blob(&find("vmlinuz")?).await?;
+            let mods = repo.blob(&find("modules.tar")?).await?;
+            match (vmlinuz, mods) {
+                (Some(v), Some(m)) => {
+                    let mut modules = Vec::new();
+                    for e in tar::Archive::new(&m[..]).entries()? {
+                        let mut e = e?;
+                        let name = e.path()?.to_string_lossy().into_owned();
+                        let mut data = Vec::new();
+                        std::io::Read::read_to_end(&mut e, &mut data)?;
+                        modules.push((name, data));
+                    }
+                    Some((v, modules))
+                }
+                _ => None,
+            }
+        }
+        None => None,
+    };
+    let (vmlinuz, modules) = match from_registry {
+        Some(k) => k,
+        None => {
+            let k = kernel_from_debian(&dir.join("kernel-download"))?;
+            repo.push(
+                &kernel_tag,
+                &[
+                    (VMLINUZ_TYPE, &k.0, "vmlinuz"),
+                    (MODULES_TYPE, &modules_tar(&k.1)?, "modules.tar"),
+                ],
+            )
+            .await?;
+            k
+        }
+    };
+    let mut ordered = Vec::new();
+    for m in MODULES {
+        let name = module_name(m);
+        let data = modules
             .iter()
-            .all(|m| kdir.join(Path::new(m).file_name().unwrap()).exists())
-    {
-        let work = dir.join("kernel").join("download");
-        let _ = std::fs::remove_dir_all(&work);
-        std::fs::create_dir_all(&work)?;
-        let st = Command::new("apt-get")
-            .args(["download", KERNEL_PACKAGE])
-            .current_dir(&work)
-            .status()
-            .context(
-                "running apt-get download (Debian's apt is required to fetch the guest kernel)",
-            )?;
-        if !st.success() {
-            bail!("apt-get download {KERNEL_PACKAGE} failed");
-        }
-        let deb = std::fs::read_dir(&work)?
-            .filter_map(Result::ok)
-            .map(|e| e.path())
-            .find(|p| p.extension().is_some_and(|e| e == "deb"))
-            .context("no .deb downloaded")?;
-        let x = work.join("x");
-        let st = Command::new("dpkg-deb")
-            .arg("-x")
-            .arg(&deb)
-            .arg(&x)
-            .status()
-            .context("running dpkg-deb")?;
-        if !st.success() {
-            bail!("dpkg-deb -x {} failed", deb.display());
-        }
-        std::fs::create_dir_all(&kdir)?;
-        std::fs::copy(x.join(format!("boot/vmlinuz-{KERNEL_RELEASE}")), &vmlinuz)?;
-        for m in MODULES {
-            let src = x.join(format!("lib/modules/{KERNEL_RELEASE}/kernel/{m}"));
-            std::fs::copy(&src, kdir.join(Path::new(m).file_name().unwrap()))
-                .with_context(|| format!("copying {}", src.display()))?;
-        }
-        std::fs::remove_dir_all(&work)?;
+            .find(|(n, _)| *n == name)
+            .with_context(|| format!("the kernel artifact lacks {name}"))?;
+        ordered.push(data.clone());
     }
     let init = std::fs::read(guest)
         .with_context(|| format!("reading the guest agent {}", guest.display()))?;
-    let mut modules = Vec::new();
-    for m in MODULES {
-        let name = Path::new(m)
-            .file_name()
-            .unwrap()
-            .to_string_lossy()
-            .into_owned();
-        modules.push((name.clone(), std::fs::read(kdir.join(&name))?));
-    }
     let mut cpio = Vec::new();
-    crate::initramfs::write(&mut cpio, &init, &modules)?;
-    let initramfs = dir.join("initramfs.cpio");
-    let tmp = dir.join("initramfs.cpio.tmp");
-    std::fs::write(&tmp, &cpio)?;
-    std::fs::rename(&tmp, &initramfs)?;
-    Ok(NodeKernel { vmlinuz, initramfs })
+    crate::initramfs::write(&mut cpio, &init, &ordered)?;
+    let kernel = store_boot_file(dir, &vmlinuz)?;
+    let initramfs = store_boot_file(dir, &cpio)?;
+    repo.push(
+        &format!("boot-{}", &initramfs["sha256:".len()..][..16]),
+        &[
+            (VMLINUZ_TYPE, &vmlinuz, "vmlinuz"),
+            (INITRAMFS_TYPE, &cpio, "initramfs.cpio"),
+        ],
+    )
+    .await?;
+    // The probe costs a boot (up to 15 s where KVM hangs): reuse it for the same kernel.
+    let accel = match read_node(dir) {
+        Ok(old) if old.kernel == kernel => old.accel,
+        _ => probe_accel(&boot_path(dir, &kernel)).await,
+    };
+    let state = NodeState {
+        kernel_release: KERNEL_RELEASE.into(),
+        kernel,
+        initramfs,
+        accel,
+    };
+    let p = dir.join("node.json");
+    let tmp = dir.join("node.json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&state)?)?;
+    std::fs::rename(&tmp, &p)?;
+    Ok(state)
+}
+
+/// A boot file by digest: from the node, or fetched from the registry and verified.
+pub async fn boot_file(
+    dir: &Path,
+    registry: &str,
+    digest: &str,
+    what: &str,
+) -> anyhow::Result<PathBuf> {
+    let p = boot_path(dir, digest);
+    if p.exists() && sha256_file(&p)? == digest {
+        return Ok(p);
+    }
+    match GuestRepo::new(registry).blob(digest).await? {
+        Some(bytes) => {
+            store_boot_file(dir, &bytes)?;
+            Ok(p)
+        }
+        None => bail!(
+            "the pinned {what} {digest} is neither on this node nor in {registry}/{GUEST_REPO}"
+        ),
+    }
+}
+
+/// `kvm` when /dev/kvm exists and a probe boot with it reaches the kernel's panic (no
+/// root given) within 15 s; `tcg` otherwise. Some hosts expose /dev/kvm without the CPU
+/// support a guest needs, and there a KVM boot hangs: only a boot proves it works.
+async fn probe_accel(vmlinuz: &Path) -> String {
+    if std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_err()
+    {
+        return "tcg".into();
+    }
+    let child = tokio::process::Command::new("qemu-system-x86_64")
+        .args(["-accel", "kvm", "-M", "microvm", "-m", "128", "-nodefaults"])
+        .args([
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-serial",
+            "none",
+        ])
+        .arg("-kernel")
+        .arg(vmlinuz)
+        .args(["-append", "panic=-1 quiet"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .status();
+    match tokio::time::timeout(Duration::from_secs(15), child).await {
+        Ok(Ok(st)) if st.success() => "kvm".into(),
+        _ => "tcg".into(),
+    }
 }

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-pub const RECEIPT_VERSION: u32 = 1;
+pub const RECEIPT_VERSION: u32 = 2;
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Vm {
@@ -27,6 +27,7 @@ pub struct Receipt {
     pub initramfs: String,
     pub qemu: String,
     pub vm: Vm,
+    pub boot: amber_guest::Boot,
     pub request: amber_guest::Request,
     pub exit_status: i32,
     pub stdout: String,

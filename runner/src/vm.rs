@@ -1,15 +1,15 @@
 //! One microVM: QEMU `-M microvm` booting the pinned kernel and the initramfs, with the
-//! env's lazy NBD export as its root disk and a virtio-serial control port. The host
-//! sends the request, relays the guest's stdout and stderr unchanged, and returns the
-//! command's exit status.
+//! env's lazy NBD export as its root disk and a virtio-serial control port that carries
+//! the guest protocol (amber_guest) as sessions (`mux`).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use amber_guest::{read_frame, Request, AGENT_ERROR, EXIT, STDERR, STDOUT};
+use amber_guest::{Boot, BOOT, ERROR, EXIT, READY, SHUTDOWN};
 use anyhow::{bail, Context};
-use tokio::io::AsyncWriteExt;
+
+use crate::mux::Mux;
 
 pub struct VmSpec {
     pub qemu: PathBuf,
@@ -79,119 +79,96 @@ impl VmSpec {
     }
 }
 
-/// What a run produced: its status and the digests of what it wrote.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Outcome {
-    pub status: i32,
-    pub stdout: String,
-    pub stderr: String,
+/// A booted microVM whose guest agent is ready for sessions.
+pub struct Vm {
+    qemu: tokio::process::Child,
+    pub mux: Mux,
+    console: PathBuf,
 }
 
-/// Boots the VM, runs `req`, relays output unchanged; returns the outcome.
-pub async fn run(
-    spec: &VmSpec,
-    req: &Request,
-    timeout: Option<Duration>,
-) -> anyhow::Result<Outcome> {
-    let ctl = spec.work.join("ctl.sock");
-    let console = spec.work.join("console.log");
-    let mut qemu = tokio::process::Command::new(&spec.qemu)
-        .args(spec.args(&ctl, &console))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {} (run `amber setup`)", spec.qemu.display()))?;
-    // QEMU creates the control socket before the guest starts.
-    let mut conn = None;
-    for _ in 0..2000 {
-        if let Ok(c) = std::os::unix::net::UnixStream::connect(&ctl) {
-            conn = Some(c);
-            break;
-        }
-        if let Some(st) = qemu.try_wait()? {
-            let mut err = String::new();
-            if let Some(mut e) = qemu.stderr.take() {
-                use tokio::io::AsyncReadExt;
-                let _ = e.read_to_string(&mut err).await;
-            }
-            bail!("QEMU exited with {st} before the VM started: {err}");
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let mut conn = conn.context("QEMU never opened the control socket")?;
-    let mut line = serde_json::to_vec(req)?;
-    line.push(b'\n');
-    std::io::Write::write_all(&mut conn, &line)?;
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<(u8, Vec<u8>)>(64);
-    let reader = std::thread::spawn(move || -> std::io::Result<()> {
-        while let Some(f) = read_frame(&mut conn)? {
-            let last = f.0 == EXIT;
-            if tx.blocking_send(f).is_err() || last {
+impl Vm {
+    /// Boots QEMU and sends `boot`; returns once the guest has mounted its root (or
+    /// with the console's last lines when it could not).
+    pub async fn boot(spec: &VmSpec, boot: &Boot) -> anyhow::Result<Vm> {
+        let ctl = spec.work.join("ctl.sock");
+        let console = spec.work.join("console.log");
+        let mut qemu = tokio::process::Command::new(&spec.qemu)
+            .args(spec.args(&ctl, &console))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {} (run `amber setup`)", spec.qemu.display()))?;
+        // QEMU creates the control socket (server=on) before the guest starts: wait for
+        // that event, bounded, watching for QEMU failing first.
+        let mut stream = None;
+        for _ in 0..2000 {
+            if let Ok(c) = tokio::net::UnixStream::connect(&ctl).await {
+                stream = Some(c);
                 break;
             }
+            if let Some(st) = qemu.try_wait()? {
+                let mut err = String::new();
+                if let Some(mut e) = qemu.stderr.take() {
+                    use tokio::io::AsyncReadExt;
+                    let _ = e.read_to_string(&mut err).await;
+                }
+                bail!("QEMU exited with {st} before the VM started: {err}");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        Ok(())
-    });
-    let relay = async {
-        use sha2::Digest as _;
-        let mut out = tokio::io::stdout();
-        let mut err = tokio::io::stderr();
-        let (mut out_hash, mut err_hash) = (sha2::Sha256::new(), sha2::Sha256::new());
+        let stream = stream.context("QEMU never opened the control socket")?;
+        let (mux, _) = Mux::new(stream);
+        let vm = Vm { qemu, mux, console };
+        let mut control = vm.mux.session(0);
+        control.tx.send(BOOT, &serde_json::to_vec(boot)?).await?;
         let mut agent_error = None;
-        while let Some((kind, data)) = rx.recv().await {
-            match kind {
-                STDOUT => {
-                    out_hash.update(&data);
-                    out.write_all(&data).await?;
-                    out.flush().await?;
+        loop {
+            match control.recv().await {
+                Some(f) if f.kind == READY => return Ok(vm),
+                Some(f) if f.kind == ERROR => {
+                    agent_error = Some(String::from_utf8_lossy(&f.payload).into_owned())
                 }
-                STDERR => {
-                    err_hash.update(&data);
-                    err.write_all(&data).await?;
-                    err.flush().await?;
+                Some(f) if f.kind == EXIT => {
+                    bail!(
+                        "the guest could not start the sandbox: {}",
+                        agent_error.unwrap_or_default()
+                    )
                 }
-                AGENT_ERROR => agent_error = Some(String::from_utf8_lossy(&data).into_owned()),
-                EXIT => {
-                    let code = i32::from_be_bytes(
-                        data.get(..4)
-                            .and_then(|b| b.try_into().ok())
-                            .unwrap_or([0, 0, 0, 125]),
-                    );
-                    if let Some(e) = agent_error {
-                        bail!("the guest could not run the command: {e}");
-                    }
-                    return Ok(Outcome {
-                        status: code,
-                        stdout: format!("sha256:{}", hex::encode(out_hash.finalize())),
-                        stderr: format!("sha256:{}", hex::encode(err_hash.finalize())),
-                    });
-                }
-                _ => {}
+                Some(_) => {}
+                None => bail!(
+                    "the VM stopped while booting; console:\n{}",
+                    vm.console_tail()
+                ),
             }
         }
-        let tail = std::fs::read_to_string(&console).unwrap_or_default();
-        let tail: String = tail
-            .lines()
-            .rev()
-            .take(20)
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .collect::<Vec<_>>()
-            .join("\n");
-        bail!("the VM stopped before the command finished; console:\n{tail}")
-    };
-    let result = match timeout {
-        Some(t) => match tokio::time::timeout(t, relay).await {
-            Ok(r) => r,
-            Err(_) => Err(anyhow::anyhow!("timed out after {}s", t.as_secs())),
-        },
-        None => relay.await,
-    };
-    let _ = qemu.start_kill();
-    let _ = qemu.wait().await;
-    let _ = reader.join();
-    result
+    }
+
+    /// The last lines the guest kernel wrote on its console.
+    pub fn console_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.console).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// Asks the guest to sync and power off; stops QEMU if it has not within `grace`.
+    pub async fn shutdown(mut self, grace: Duration) {
+        let _ = self.mux.send(SHUTDOWN, 0, &[]).await;
+        if tokio::time::timeout(grace, self.qemu.wait()).await.is_err() {
+            self.kill().await;
+        }
+    }
+
+    /// Stops QEMU at once (the root is read-only and the upper layer is memory: nothing
+    /// is lost that a finished command did not already report).
+    pub async fn kill(&mut self) {
+        let _ = self.qemu.start_kill();
+        let _ = self.qemu.wait().await;
+    }
+
+    /// Waits for QEMU to exit on its own.
+    pub async fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        self.qemu.wait().await
+    }
 }

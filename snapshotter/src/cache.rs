@@ -46,6 +46,8 @@ pub struct CacheStats {
     pub fetched_chunk_bytes: AtomicU64,
     pub evictions: AtomicU64,
     pub integrity_failures: AtomicU64,
+    /// The latest integrity error, for telling the user which chunk failed.
+    pub last_integrity_error: Mutex<Option<String>>,
 }
 
 #[derive(Default)]
@@ -300,6 +302,11 @@ impl ChunkCache {
         .map_err(|e| {
             if matches!(e, CacheError::Integrity { .. }) {
                 self.stats.integrity_failures.fetch_add(1, Relaxed);
+                *self
+                    .stats
+                    .last_integrity_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
                 tracing::error!(error = %e, "chunk failed verification");
             }
             Arc::new(e)

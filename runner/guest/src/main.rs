@@ -1,21 +1,34 @@
 //! `amber-guest`: PID 1 of an amber microVM. Loads the modules the initramfs carries,
-//! mounts the env's EROFS root (read-only) under an overlay with a tmpfs upper, receives
-//! one request from the host over the virtio-serial port `amber`, runs it as the image's
-//! user in the new root, streams stdout and stderr back, reports the exit status, and
-//! powers the VM off.
+//! waits for the host's `BOOT` on the virtio-serial port `amber`, mounts the env's EROFS
+//! root (read-only) under an overlay with a tmpfs upper, moves itself into that root, and
+//! then serves sessions (see the protocol in lib.rs) until the host asks it to power off:
+//! commands run as the image's user with stdin, stdout, stderr, signals and exit status
+//! carried over the port, and tar streams copied in and out.
 //!
-//! Messages about the agent itself go to the kernel console (ttyS0), never into the
+//! Threads: one reads the port and dispatches frames; one per command forwards its
+//! output; one per copy; one reaps every child (PID 1 also adopts orphans). SIGCHLD is
+//! blocked everywhere and read from a signalfd by the reaper. Writes to the port go
+//! through one mutex, so frames never interleave.
+//!
+//! Messages about the agent itself go to the kernel console (ttyS0), never into a
 //! command's output.
 
+use std::collections::HashMap;
 use std::ffi::{CString, OsStr};
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use amber_guest::{write_frame, Request, AGENT_ERROR, EXIT, PORT_NAME, STDERR, STDOUT};
+use amber_guest::{
+    copy, read_frame, status_payload, write_frame, Boot, Frame, Get, Put, Request, BOOT, DATA,
+    ERROR, EXEC, EXIT, GET, MAX_PAYLOAD, PORT_NAME, PUT, READY, SHUTDOWN, SIGNAL, STDERR, STDIN,
+    STDOUT,
+};
 
 const NEWROOT: &str = "/newroot";
 
@@ -252,8 +265,166 @@ fn pipe() -> Result<(OwnedFd, OwnedFd), String> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// Runs the request; returns its exit status.
-fn run_command(req: &Request, port: &mut File) -> Result<i32, String> {
+/// The port's write side, shared by every thread.
+#[derive(Clone)]
+struct Port(Arc<Mutex<File>>);
+
+impl Port {
+    fn send(&self, kind: u8, session: u32, payload: &[u8]) {
+        let mut f = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        for piece in payload.chunks(MAX_PAYLOAD).chain(
+            // An empty payload is a frame too (EOF markers).
+            payload.is_empty().then_some(&[][..]),
+        ) {
+            if let Err(e) = write_frame(&mut *f, kind, session, piece) {
+                eprintln!("amber-guest: writing to the host: {e}");
+                return;
+            }
+        }
+    }
+
+    fn fail(&self, session: u32, msg: &str, code: i32) {
+        self.send(ERROR, session, msg.as_bytes());
+        self.send(EXIT, session, &status_payload(code));
+    }
+}
+
+/// Exit statuses of children, handed from the reaper to the thread that forked them.
+#[derive(Default)]
+struct Reaper {
+    waiting: HashMap<libc::pid_t, SyncSender<i32>>,
+}
+
+/// Reads SIGCHLD from a signalfd and reaps every child, known or orphaned.
+fn reap(reaper: Arc<Mutex<Reaper>>) {
+    // SAFETY: building a signal set and a signalfd for SIGCHLD, blocked in every thread.
+    let fd = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGCHLD);
+        libc::signalfd(-1, &set, libc::SFD_CLOEXEC)
+    };
+    if fd < 0 {
+        eprintln!("amber-guest: signalfd: {}", errno());
+        return;
+    }
+    let mut info = [0u8; 128];
+    loop {
+        // SAFETY: reading one signalfd_siginfo into a buffer of its size.
+        let n = unsafe { libc::read(fd, info.as_mut_ptr().cast(), info.len()) };
+        if n < 0 && errno().raw_os_error() != Some(libc::EINTR) {
+            eprintln!("amber-guest: reading the signalfd: {}", errno());
+            return;
+        }
+        loop {
+            let mut status = 0;
+            // SAFETY: reaping any child without blocking.
+            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
+            if pid <= 0 {
+                break;
+            }
+            let code = if libc::WIFEXITED(status) {
+                libc::WEXITSTATUS(status)
+            } else {
+                128 + libc::WTERMSIG(status)
+            };
+            if let Some(tx) = reaper.lock().unwrap().waiting.remove(&pid) {
+                let _ = tx.send(code);
+            }
+        }
+    }
+}
+
+/// Bytes from the port's reader thread, as a `Read` (an empty message is the end).
+struct ChannelReader {
+    rx: Receiver<Vec<u8>>,
+    buf: Vec<u8>,
+    pos: usize,
+    done: bool,
+}
+
+impl ChannelReader {
+    fn new(rx: Receiver<Vec<u8>>) -> ChannelReader {
+        ChannelReader {
+            rx,
+            buf: Vec::new(),
+            pos: 0,
+            done: false,
+        }
+    }
+}
+
+impl Read for ChannelReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        while self.pos == self.buf.len() {
+            if self.done {
+                return Ok(0);
+            }
+            match self.rx.recv() {
+                Ok(b) if !b.is_empty() => {
+                    self.buf = b;
+                    self.pos = 0;
+                }
+                _ => self.done = true,
+            }
+        }
+        let n = out.len().min(self.buf.len() - self.pos);
+        out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+/// A tar stream sent to the host as `DATA` frames.
+struct FrameWriter {
+    port: Port,
+    session: u32,
+    buf: Vec<u8>,
+}
+
+impl Write for FrameWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        if self.buf.len() >= 256 << 10 {
+            self.flush()?;
+        }
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if !self.buf.is_empty() {
+            self.port.send(DATA, self.session, &self.buf);
+            self.buf.clear();
+        }
+        Ok(())
+    }
+}
+
+/// What the reader thread routes to a live session.
+#[derive(Default)]
+struct Live {
+    pid: Option<libc::pid_t>,
+    input: Option<SyncSender<Vec<u8>>>,
+}
+
+type Sessions = Arc<Mutex<HashMap<u32, Live>>>;
+
+/// Forks and execs `req`; returns the child's pid, its stdout and stderr pipes, the write
+/// end of its stdin (when the host sends stdin) and where its exit status will arrive.
+#[allow(clippy::type_complexity)]
+fn spawn(
+    req: &Request,
+    reaper: &Mutex<Reaper>,
+) -> Result<
+    (
+        libc::pid_t,
+        OwnedFd,
+        OwnedFd,
+        Option<OwnedFd>,
+        Receiver<i32>,
+    ),
+    String,
+> {
     let ids = resolve_user(&req.user)?;
     let mut env = req.env.clone();
     if !env.iter().any(|e| e.starts_with("HOME=")) {
@@ -267,16 +438,20 @@ fn run_command(req: &Request, port: &mut File) -> Result<i32, String> {
     let argv0 = req.argv.first().ok_or("empty command")?.clone();
     let (out_r, out_w) = pipe()?;
     let (err_r, err_w) = pipe()?;
+    let (in_r, in_w) = if req.stdin {
+        let (r, w) = pipe()?;
+        (Some(r), Some(w))
+    } else {
+        (None, None)
+    };
+    // Everything the child needs is built before fork: after it, in a process with
+    // threads, the child may only make async-signal-safe calls.
     let c_argv: Vec<CString> = req.argv.iter().map(cstr).collect();
     let c_env: Vec<CString> = env.iter().map(cstr).collect();
-    let cwd = if req.cwd.is_empty() {
-        "/".to_string()
-    } else {
-        req.cwd.clone()
-    };
-    // SAFETY: fork in a single-threaded process; the child only calls async-signal-safe
-    // functions and allocation-free code paths up to execve (strings are prepared above,
-    // except the PATH candidates, built before fork below).
+    let mut argv: Vec<*const libc::c_char> = c_argv.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut envp: Vec<*const libc::c_char> = c_env.iter().map(|a| a.as_ptr()).collect();
+    envp.push(std::ptr::null());
     let candidates: Vec<CString> = if argv0.contains('/') {
         vec![cstr(&argv0)]
     } else {
@@ -287,8 +462,12 @@ fn run_command(req: &Request, port: &mut File) -> Result<i32, String> {
             .collect()
     };
     let not_found = format!("exec: \"{argv0}\": executable file not found in $PATH\n");
-    let c_root = cstr(NEWROOT);
-    let c_cwd = cstr(&cwd);
+    let c_cwd = cstr(if req.cwd.is_empty() { "/" } else { &req.cwd });
+    let in_fd = in_r.as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1);
+    let (tx, rx) = sync_channel(1);
+    // The reaper cannot hand out this child's status before it is registered.
+    let mut reg = reaper.lock().unwrap();
+    // SAFETY: see above; the child uses only raw syscalls on prepared data.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
         return Err(format!("fork: {}", errno()));
@@ -296,14 +475,20 @@ fn run_command(req: &Request, port: &mut File) -> Result<i32, String> {
     if pid == 0 {
         // SAFETY (child): raw syscalls only.
         unsafe {
-            let devnull = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY);
-            libc::dup2(devnull, 0);
+            let mut none: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut none);
+            libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+            // The agent ignores SIGPIPE (Rust does); a command starts with the default.
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+            let stdin = if in_fd >= 0 {
+                in_fd
+            } else {
+                libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY)
+            };
+            libc::dup2(stdin, 0);
             libc::dup2(out_w.as_raw_fd(), 1);
             libc::dup2(err_w.as_raw_fd(), 2);
             libc::setsid();
-            if libc::chroot(c_root.as_ptr()) != 0 || libc::chdir(c"/".as_ptr()) != 0 {
-                libc::_exit(125);
-            }
             if libc::chdir(c_cwd.as_ptr()) != 0 {
                 libc::_exit(125);
             }
@@ -311,10 +496,6 @@ fn run_command(req: &Request, port: &mut File) -> Result<i32, String> {
             if libc::setgid(ids.gid) != 0 || libc::setuid(ids.uid) != 0 {
                 libc::_exit(125);
             }
-            let mut argv: Vec<*const libc::c_char> = c_argv.iter().map(|a| a.as_ptr()).collect();
-            argv.push(std::ptr::null());
-            let mut envp: Vec<*const libc::c_char> = c_env.iter().map(|a| a.as_ptr()).collect();
-            envp.push(std::ptr::null());
             let mut denied = false;
             for cand in &candidates {
                 libc::execve(cand.as_ptr(), argv.as_ptr(), envp.as_ptr());
@@ -326,9 +507,13 @@ fn run_command(req: &Request, port: &mut File) -> Result<i32, String> {
             libc::_exit(if denied { 126 } else { 127 });
         }
     }
-    drop(out_w);
-    drop(err_w);
-    // Forward both pipes until they close.
+    reg.waiting.insert(pid, tx);
+    drop(reg);
+    Ok((pid, out_r, err_r, in_w, rx))
+}
+
+/// Forwards the command's stdout and stderr until both close, then its exit status.
+fn forward_output(port: &Port, session: u32, out_r: OwnedFd, err_r: OwnedFd) -> Result<(), String> {
     let mut fds = [
         libc::pollfd {
             fd: out_r.as_raw_fd(),
@@ -359,21 +544,228 @@ fn run_command(req: &Request, port: &mut File) -> Result<i32, String> {
             // SAFETY: reading into our buffer from an open pipe.
             let r = unsafe { libc::read(fds[i].fd, buf.as_mut_ptr().cast(), buf.len()) };
             if r > 0 {
-                write_frame(port, kind, &buf[..r as usize]).map_err(|e| e.to_string())?;
+                port.send(kind, session, &buf[..r as usize]);
             } else {
                 fds[i].fd = -1;
                 open -= 1;
             }
         }
     }
-    let mut status = 0;
-    // SAFETY: waiting for our own child.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
-    Ok(if libc::WIFEXITED(status) {
-        libc::WEXITSTATUS(status)
-    } else {
-        128 + libc::WTERMSIG(status)
-    })
+    Ok(())
+}
+
+/// Writes what the host sends for stdin into the command's stdin pipe.
+fn feed_stdin(rx: Receiver<Vec<u8>>, w: OwnedFd) {
+    let mut f = File::from(w);
+    let mut r = ChannelReader::new(rx);
+    // A command that exits without reading its stdin gives EPIPE: the rest is dropped.
+    let _ = std::io::copy(&mut r, &mut f);
+    drop(f);
+    let _ = std::io::copy(&mut r, &mut std::io::sink());
+}
+
+fn exec(
+    port: Port,
+    sessions: Sessions,
+    reaper: Arc<Mutex<Reaper>>,
+    session: u32,
+    req: Request,
+    stdin: Option<Receiver<Vec<u8>>>,
+) {
+    let spawned = spawn(&req, &reaper);
+    let (pid, out_r, err_r, in_w, status) = match spawned {
+        Ok(s) => s,
+        Err(e) => {
+            sessions.lock().unwrap().remove(&session);
+            return port.fail(session, &e, 125);
+        }
+    };
+    {
+        let mut s = sessions.lock().unwrap();
+        let live = s.entry(session).or_default();
+        live.pid = Some(pid);
+        if let (Some(w), Some(rx)) = (in_w, stdin) {
+            std::thread::spawn(move || feed_stdin(rx, w));
+        }
+    }
+    let forwarded = forward_output(&port, session, out_r, err_r);
+    let code = status.recv().unwrap_or(125);
+    sessions.lock().unwrap().remove(&session);
+    match forwarded {
+        Ok(()) => port.send(EXIT, session, &status_payload(code)),
+        Err(e) => port.fail(session, &e, code),
+    }
+}
+
+fn put(port: Port, session: u32, req: Put, rx: Receiver<Vec<u8>>) {
+    let target = copy::target(Path::new(&req.dest), &req.name);
+    match copy::unpack(ChannelReader::new(rx), &target) {
+        Ok(()) => port.send(EXIT, session, &status_payload(0)),
+        Err(e) => port.fail(
+            session,
+            &format!("copying into {}: {e}", target.display()),
+            1,
+        ),
+    }
+}
+
+fn get(port: Port, session: u32, req: Get) {
+    let mut w = FrameWriter {
+        port: port.clone(),
+        session,
+        buf: Vec::new(),
+    };
+    match copy::pack(Path::new(&req.path), &mut w) {
+        Ok(()) => {
+            port.send(DATA, session, &[]);
+            port.send(EXIT, session, &status_payload(0));
+        }
+        Err(e) => port.fail(session, &e.to_string(), 1),
+    }
+}
+
+/// Mounts the root, sets the hostname, and moves this process into the root, so commands
+/// and copies see exactly the sandbox's file system.
+fn boot(b: &Boot) -> Result<(), String> {
+    mount_root()?;
+    let h = cstr(&b.hostname);
+    // SAFETY: valid buffer and length.
+    if unsafe { libc::sethostname(h.as_ptr(), b.hostname.len()) } != 0 {
+        return Err(format!("sethostname {:?}: {}", b.hostname, errno()));
+    }
+    if b.root_device {
+        let dev = std::fs::read_to_string("/sys/block/vda/dev")
+            .map_err(|e| format!("reading /sys/block/vda/dev: {e}"))?;
+        let (major, minor) = dev
+            .trim()
+            .split_once(':')
+            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+            .ok_or_else(|| format!("bad /sys/block/vda/dev {dev:?}"))?;
+        let p = cstr(format!("{NEWROOT}/dev/vda"));
+        // SAFETY: creating a block device node at a valid path.
+        if unsafe {
+            libc::mknod(
+                p.as_ptr(),
+                libc::S_IFBLK | 0o400,
+                libc::makedev(major, minor),
+            )
+        } != 0
+        {
+            return Err(format!("mknod /dev/vda: {}", errno()));
+        }
+    }
+    let root = cstr(NEWROOT);
+    // SAFETY: plain chdir/chroot with valid paths.
+    unsafe {
+        if libc::chdir(root.as_ptr()) != 0 || libc::chroot(c".".as_ptr()) != 0 {
+            return Err(format!("entering the root: {}", errno()));
+        }
+        libc::chdir(c"/".as_ptr());
+    }
+    Ok(())
+}
+
+/// Reads frames from the host and dispatches them until `SHUTDOWN` or the end of the port.
+fn dispatch(mut input: File, port: Port) -> Result<(), String> {
+    let sessions: Sessions = Arc::default();
+    let reaper: Arc<Mutex<Reaper>> = Arc::default();
+    {
+        let r = reaper.clone();
+        std::thread::spawn(move || reap(r));
+    }
+    let mut booted = false;
+    loop {
+        let Frame {
+            kind,
+            session,
+            payload,
+        } = match read_frame(&mut input) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(format!("reading from the host: {e}")),
+        };
+        match kind {
+            BOOT if !booted => {
+                let b: Boot =
+                    serde_json::from_slice(&payload).map_err(|e| format!("bad BOOT: {e}"))?;
+                match boot(&b) {
+                    Ok(()) => {
+                        booted = true;
+                        port.send(READY, 0, &[]);
+                    }
+                    Err(e) => port.fail(0, &e, 125),
+                }
+            }
+            SHUTDOWN => return Ok(()),
+            EXEC | PUT | GET if !booted || session == 0 => {
+                port.fail(session, "the sandbox is not booted", 125)
+            }
+            EXEC | PUT | GET if sessions.lock().unwrap().contains_key(&session) => {
+                port.fail(session, &format!("session {session} is already open"), 125)
+            }
+            EXEC => match serde_json::from_slice::<Request>(&payload) {
+                Ok(req) => {
+                    // Stdin is queued from now on, even before the command has started.
+                    let (tx, rx) = sync_channel(16);
+                    let live = Live {
+                        pid: None,
+                        input: req.stdin.then_some(tx),
+                    };
+                    let rx = req.stdin.then_some(rx);
+                    sessions.lock().unwrap().insert(session, live);
+                    let (p, s, r) = (port.clone(), sessions.clone(), reaper.clone());
+                    std::thread::spawn(move || exec(p, s, r, session, req, rx));
+                }
+                Err(e) => port.fail(session, &format!("bad EXEC: {e}"), 125),
+            },
+            PUT => match serde_json::from_slice::<Put>(&payload) {
+                Ok(req) => {
+                    let (tx, rx) = sync_channel(16);
+                    sessions.lock().unwrap().insert(
+                        session,
+                        Live {
+                            pid: None,
+                            input: Some(tx),
+                        },
+                    );
+                    let (p, s) = (port.clone(), sessions.clone());
+                    std::thread::spawn(move || {
+                        put(p, session, req, rx);
+                        s.lock().unwrap().remove(&session);
+                    });
+                }
+                Err(e) => port.fail(session, &format!("bad PUT: {e}"), 125),
+            },
+            GET => match serde_json::from_slice::<Get>(&payload) {
+                Ok(req) => {
+                    let p = port.clone();
+                    std::thread::spawn(move || get(p, session, req));
+                }
+                Err(e) => port.fail(session, &format!("bad GET: {e}"), 125),
+            },
+            STDIN | DATA => {
+                // Take the sender out of the lock: a full channel must not block others.
+                let tx = sessions.lock().unwrap().get_mut(&session).and_then(|l| {
+                    if payload.is_empty() {
+                        l.input.take()
+                    } else {
+                        l.input.clone()
+                    }
+                });
+                if let Some(tx) = tx {
+                    let _ = tx.send(payload);
+                }
+            }
+            SIGNAL => {
+                let pid = sessions.lock().unwrap().get(&session).and_then(|l| l.pid);
+                if let Some(pid) = pid {
+                    // SAFETY: signalling our own child.
+                    unsafe { libc::kill(pid, amber_guest::parse_status(&payload)) };
+                }
+            }
+            other => eprintln!("amber-guest: ignoring frame kind {other} for session {session}"),
+        }
+    }
 }
 
 fn serve() -> Result<(), String> {
@@ -382,40 +774,29 @@ fn serve() -> Result<(), String> {
     mount("sysfs", "/sys", "sysfs", 0, "")?;
     load_modules();
     let port_path = wait_for_devices()?;
-    let mut port = std::fs::OpenOptions::new()
+    let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(&port_path)
         .map_err(|e| format!("opening {}: {e}", port_path.display()))?;
-    let mut line = String::new();
-    BufReader::new(port.try_clone().map_err(|e| e.to_string())?)
-        .read_line(&mut line)
-        .map_err(|e| format!("reading the request: {e}"))?;
-    let req: Request = serde_json::from_str(&line).map_err(|e| format!("bad request: {e}"))?;
-    let result = mount_root().and_then(|()| {
-        let h = cstr(&req.hostname);
-        // SAFETY: valid buffer and length.
-        unsafe { libc::sethostname(h.as_ptr(), req.hostname.len()) };
-        run_command(&req, &mut port)
-    });
-    match result {
-        Ok(code) => write_frame(&mut port, EXIT, &code.to_be_bytes()).map_err(|e| e.to_string())?,
-        Err(e) => {
-            write_frame(&mut port, AGENT_ERROR, e.as_bytes()).map_err(|e| e.to_string())?;
-            write_frame(&mut port, EXIT, &125i32.to_be_bytes()).map_err(|e| e.to_string())?;
-        }
-    }
-    let _ = port.flush();
-    let mut rest = Vec::new();
-    // Wait for the host to close the port, so no frame is lost when the VM stops.
-    let _ = port.read_to_end(&mut rest);
-    Ok(())
+    let port = Port(Arc::new(Mutex::new(
+        file.try_clone().map_err(|e| e.to_string())?,
+    )));
+    dispatch(file, port)
 }
 
 fn main() {
     if std::process::id() != 1 {
         eprintln!("amber-guest runs as the init of an amber microVM");
         std::process::exit(2);
+    }
+    // SIGCHLD goes to the reaper's signalfd; every thread inherits this mask.
+    // SAFETY: plain signal mask manipulation before any thread exists.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGCHLD);
+        libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
     if let Err(e) = serve() {
         eprintln!("amber-guest: {e}");

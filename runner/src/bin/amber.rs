@@ -1,16 +1,17 @@
 //! `amber`: run pinned environments in microVMs.
 
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use amber_runner::{image, kernel, receipt, vm};
-use amber_snapshotter::cache::ChunkCache;
-use amber_snapshotter::device::LazyDevice;
-use amber_snapshotter::source::RegistrySource;
+use amber_guest::{Boot, Request};
+use amber_runner::image::{self, RunConfig};
+use amber_runner::kernel::{self, NodeState};
+use amber_runner::receipt;
+use amber_runner::sandbox::{self, Launch, Record, Sandbox};
+use amber_runner::session::{self, Outcome};
 
 #[derive(Parser)]
 #[command(name = "amber", version, about = "Run pinned environments in microVMs")]
@@ -29,7 +30,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Prepare this node: the pinned guest kernel and the initramfs.
+    /// Prepare this node: the pinned guest kernel (from the registry, or Debian once, then
+    /// pushed), the initramfs, and which accelerator works.
     Setup {
         /// The static guest agent binary.
         #[arg(long, env = "AMBER_GUEST")]
@@ -37,12 +39,28 @@ enum Cmd {
     },
     /// Run a command in a fresh microVM of REF, as `docker run REF CMD` would.
     Run(Box<RunArgs>),
+    /// Start a sandbox of REF that stays up for `exec` and `cp`; prints its id.
+    Create(Box<CreateArgs>),
+    /// Run a command in a running sandbox, as `docker exec` would.
+    Exec(ExecArgs),
+    /// Copy files: `amber cp PATH ID:PATH` or `amber cp ID:PATH PATH`.
+    Cp { src: String, dest: String },
+    /// Stop and remove sandboxes.
+    Rm {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// List the sandboxes running on this node.
+    Ps,
     /// Boot exactly what a receipt pinned and run its command again.
     Reproduce { receipt: PathBuf },
+    #[command(hide = true)]
+    SandboxDaemon { dir: PathBuf },
 }
 
+/// How the VM is shaped and how its command runs (shared by `run` and `create`).
 #[derive(clap::Args)]
-struct RunArgs {
+struct VmArgs {
     /// name:tag, name@sha256:…, or an env digest blake3:…
     reference: String,
     #[arg(long = "env", short = 'e')]
@@ -58,12 +76,24 @@ struct RunArgs {
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 512)]
     memory: u32,
+    /// QEMU accelerator: auto (what `amber setup`'s probe found), kvm or tcg.
+    #[arg(long, env = "AMBER_ACCEL", default_value = "auto")]
+    accel: String,
+    /// Also expose the read-only root device as /dev/vda in the sandbox.
+    #[arg(long)]
+    root_device: bool,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    #[command(flatten)]
+    vm: VmArgs,
+    /// Pass stdin to the command (otherwise it reads /dev/null, as `docker run`).
+    #[arg(long, short = 'i')]
+    interactive: bool,
     /// Seconds before the VM is stopped.
     #[arg(long)]
     timeout: Option<u64>,
-    /// QEMU accelerator: tcg or kvm.
-    #[arg(long, env = "AMBER_ACCEL", default_value = "tcg")]
-    accel: String,
     /// Write a receipt of the run (every digest it depended on) to this file.
     #[arg(long)]
     receipt: Option<PathBuf>,
@@ -75,6 +105,27 @@ struct RunArgs {
     root_image: Option<PathBuf>,
     /// The command; without it the image's Cmd runs.
     #[arg(last = true)]
+    command: Vec<String>,
+}
+
+#[derive(clap::Args)]
+struct CreateArgs {
+    #[command(flatten)]
+    vm: VmArgs,
+}
+
+#[derive(clap::Args)]
+struct ExecArgs {
+    id: String,
+    #[arg(long, short = 'i')]
+    interactive: bool,
+    #[arg(long = "env", short = 'e')]
+    env: Vec<String>,
+    #[arg(long, short = 'w')]
+    workdir: Option<String>,
+    #[arg(long, short = 'u')]
+    user: Option<String>,
+    #[arg(last = true, required = true)]
     command: Vec<String>,
 }
 
@@ -97,142 +148,250 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<i32> {
-    let dir = kernel::node_dir();
+    let node = kernel::node_dir();
     match cli.command {
         Cmd::Setup { guest } => {
-            let k = kernel::setup(&dir, &guest)?;
-            println!(
-                "kernel {} {}",
-                kernel::KERNEL_RELEASE,
-                kernel::sha256_file(&k.vmlinuz)?
-            );
-            println!("initramfs {}", kernel::sha256_file(&k.initramfs)?);
+            let s = kernel::setup(&node, &cli.registry, &guest).await?;
+            println!("kernel {} {}", s.kernel_release, s.kernel);
+            println!("initramfs {}", s.initramfs);
+            println!("accel {}", s.accel);
             Ok(0)
         }
-        Cmd::Run(a) => run_cmd(&cli.registry, &dir, *a).await,
-        Cmd::Reproduce { receipt } => reproduce(&dir, &receipt).await,
+        Cmd::Run(a) => run_cmd(&cli.registry, &node, *a).await,
+        Cmd::Create(a) => create(&cli.registry, &node, *a).await,
+        Cmd::Exec(a) => exec(&node, a).await,
+        Cmd::Cp { src, dest } => cp(&node, &src, &dest).await,
+        Cmd::Rm { ids } => {
+            for id in ids {
+                rm(&node, &id).await?;
+                println!("{id}");
+            }
+            Ok(0)
+        }
+        Cmd::Ps => {
+            let dir = sandbox::sandboxes_dir(&node);
+            let mut ids: Vec<String> = std::fs::read_dir(&dir)
+                .into_iter()
+                .flatten()
+                .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+                .collect();
+            ids.sort();
+            for id in ids {
+                if let Ok(r) = sandbox::read_record(&node, &id) {
+                    println!("{id}\t{}\t{}", r.reference, r.launch.env);
+                }
+            }
+            Ok(0)
+        }
+        Cmd::Reproduce { receipt } => reproduce(&node, &receipt).await,
+        Cmd::SandboxDaemon { dir } => {
+            sandbox::daemon(&node, &dir).await?;
+            Ok(0)
+        }
     }
 }
 
-fn node_files(dir: &std::path::Path) -> anyhow::Result<(PathBuf, PathBuf)> {
-    let vmlinuz = dir
-        .join("kernel")
-        .join(kernel::KERNEL_RELEASE)
-        .join("vmlinuz");
-    let initramfs = dir.join("initramfs.cpio");
-    anyhow::ensure!(
-        vmlinuz.exists() && initramfs.exists(),
-        "this node is not set up: run `amber setup`"
-    );
-    Ok((vmlinuz, initramfs))
+/// The request for `argv` under the image's config and the user's flags, as docker does.
+fn request(
+    c: &RunConfig,
+    argv: Vec<String>,
+    extra_env: &[String],
+    workdir: Option<&str>,
+    user: Option<&str>,
+    hostname: &str,
+    stdin: bool,
+) -> Request {
+    let mut env = c.env.clone();
+    if !env.iter().any(|e| e.starts_with("PATH=")) {
+        env.insert(
+            0,
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
+        );
+    }
+    if !env.iter().any(|e| e.starts_with("HOSTNAME=")) {
+        env.push(format!("HOSTNAME={hostname}"));
+    }
+    for e in extra_env {
+        let key = e.split('=').next().unwrap_or("");
+        env.retain(|x| x.split('=').next() != Some(key));
+        env.push(e.clone());
+    }
+    Request {
+        argv,
+        env,
+        cwd: workdir.map(str::to_string).unwrap_or_else(|| {
+            if c.working_dir.is_empty() {
+                "/".into()
+            } else {
+                c.working_dir.clone()
+            }
+        }),
+        user: user.map(str::to_string).unwrap_or_else(|| c.user.clone()),
+        stdin,
+    }
 }
 
-/// How to attach the root disk.
-#[derive(Default)]
-struct BootOptions {
-    prefetch: bool,
-    root_image: Option<PathBuf>,
-}
-
-/// Boots `env` and runs `req` on it.
-async fn boot(
+/// Resolves the reference and the node's boot files into a launch.
+async fn launch(
     registry: &str,
-    dir: &std::path::Path,
-    env: &amber_converter::manifest::EnvDigest,
-    req: &amber_guest::Request,
-    shape: &receipt::Vm,
-    timeout: Option<Duration>,
-    opts: BootOptions,
-) -> anyhow::Result<vm::Outcome> {
-    let (vmlinuz, initramfs) = node_files(dir)?;
-    let work = tempfile_dir(dir)?;
-    let source = Arc::new(RegistrySource::new(registry));
-    let envelope = match source.manifest(env).await {
-        Err(amber_snapshotter::source::SourceError::NotFound(_)) => {
-            anyhow::bail!("env {env} is not in the registry at {registry}")
-        }
-        r => r?,
+    node: &Path,
+    a: &VmArgs,
+) -> anyhow::Result<(image::Resolved, NodeState, Launch)> {
+    let state = kernel::read_node(node)?;
+    let resolved = image::resolve(registry, &a.reference, Duration::from_secs(600)).await?;
+    let hostname = a
+        .hostname
+        .clone()
+        .unwrap_or_else(|| resolved.env.hex()[..12].to_string());
+    let accel = if a.accel == "auto" {
+        state.accel.clone()
+    } else {
+        a.accel.clone()
     };
-    let cache = Arc::new(ChunkCache::open(dir.join("chunks"), 20 << 30, source)?);
-    if opts.prefetch {
-        use futures_util::StreamExt;
-        let reads = envelope
-            .manifest
-            .extents
-            .iter()
-            .map(|e| cache.read(&e.chunk, e.length, 0, 1));
-        let results: Vec<_> = futures_util::stream::iter(reads)
-            .buffer_unordered(8)
-            .collect()
-            .await;
-        for r in results {
-            r.map_err(|e| anyhow::anyhow!("prefetching: {e}"))?;
-        }
-    }
-    let device = Arc::new(LazyDevice::new(envelope.manifest, cache));
-    let nbd_socket = work.join("root.sock");
-    let listener = tokio::net::UnixListener::bind(&nbd_socket)?;
-    let server = tokio::spawn(amber_snapshotter::nbd::serve(
-        listener,
-        "amber".into(),
-        device,
-    ));
-    let root = match opts.root_image {
-        Some(p) => vm::Root::RawFile(p),
-        None => vm::Root::Nbd(nbd_socket),
+    let l = Launch {
+        registry: registry.to_string(),
+        env: resolved.env,
+        kernel: kernel::boot_file(node, registry, &state.kernel, "kernel").await?,
+        initramfs: kernel::boot_file(node, registry, &state.initramfs, "initramfs").await?,
+        shape: receipt::Vm {
+            accel,
+            cpus: a.cpus,
+            memory_mib: a.memory,
+        },
+        boot: Boot {
+            hostname,
+            root_device: a.root_device,
+        },
+        prefetch: false,
+        root_image: None,
     };
-    let spec = vm::VmSpec {
-        qemu: PathBuf::from("qemu-system-x86_64"),
-        accel: shape.accel.clone(),
-        cpus: shape.cpus,
-        memory_mib: shape.memory_mib,
-        kernel: vmlinuz,
-        initramfs,
-        root,
-        work: work.clone(),
-    };
-    let result = vm::run(&spec, req, timeout).await;
-    server.abort();
-    let _ = std::fs::remove_dir_all(&work);
-    result
+    Ok((resolved, state, l))
 }
 
-async fn reproduce(dir: &std::path::Path, path: &std::path::Path) -> anyhow::Result<i32> {
+fn work_dir(node: &Path) -> anyhow::Result<PathBuf> {
+    Ok(node.join("run").join(new_id()?))
+}
+
+fn new_id() -> anyhow::Result<String> {
+    let mut b = [0u8; 6];
+    std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut b)?;
+    Ok(hex::encode(b))
+}
+
+/// Boots `l`, runs `req` in it, and stops it; output passes through unchanged.
+async fn boot_and_exec(
+    node: &Path,
+    l: &Launch,
+    req: &Request,
+    timeout: Option<Duration>,
+) -> anyhow::Result<Outcome> {
+    let sandbox = Sandbox::start(node, work_dir(node)?, l).await?;
+    let s = sandbox.vm.mux.open();
+    let stdin: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = if req.stdin {
+        Some(Box::new(tokio::io::stdin()))
+    } else {
+        None
+    };
+    let exec = session::exec(s, req, stdin, tokio::io::stdout(), tokio::io::stderr());
+    let result = match timeout {
+        Some(t) => tokio::time::timeout(t, exec)
+            .await
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("timed out after {}s", t.as_secs()))),
+        None => exec.await,
+    };
+    let integrity = sandbox.integrity_error();
+    let console = sandbox.vm.console_tail();
+    sandbox.stop().await;
+    if let Some(e) = integrity {
+        anyhow::bail!("{e}");
+    }
+    result.map_err(|e| {
+        if e.is::<session::Stopped>() {
+            e.context(format!("console:\n{console}"))
+        } else {
+            e
+        }
+    })
+}
+
+async fn run_cmd(registry: &str, node: &Path, a: RunArgs) -> anyhow::Result<i32> {
+    let (resolved, state, mut l) = launch(registry, node, &a.vm).await?;
+    l.prefetch = a.prefetch;
+    l.root_image = a.root_image.clone();
+    let c = &resolved.config;
+    let argv: Vec<String> = if a.command.is_empty() {
+        c.entrypoint.iter().chain(c.cmd.iter()).cloned().collect()
+    } else {
+        c.entrypoint
+            .iter()
+            .chain(a.command.iter())
+            .cloned()
+            .collect()
+    };
+    anyhow::ensure!(
+        !argv.is_empty(),
+        "no command given and the image has no Entrypoint or Cmd"
+    );
+    let req = request(
+        c,
+        argv,
+        &a.vm.env,
+        a.vm.workdir.as_deref(),
+        a.vm.user.as_deref(),
+        &l.boot.hostname,
+        a.interactive,
+    );
+    let out = boot_and_exec(node, &l, &req, a.timeout.map(Duration::from_secs)).await?;
+    if let Some(path) = &a.receipt {
+        let r = receipt::Receipt {
+            version: receipt::RECEIPT_VERSION,
+            registry: registry.to_string(),
+            reference: a.vm.reference.clone(),
+            image_digest: resolved.image_digest.clone(),
+            env_digest: resolved.env.to_string(),
+            kernel_release: state.kernel_release.clone(),
+            kernel: state.kernel.clone(),
+            initramfs: state.initramfs.clone(),
+            qemu: receipt::qemu_version(),
+            vm: l.shape.clone(),
+            boot: l.boot.clone(),
+            request: req,
+            exit_status: out.status,
+            stdout: out.stdout.clone(),
+            stderr: out.stderr.clone(),
+        };
+        std::fs::write(path, serde_json::to_vec_pretty(&r)?)
+            .with_context(|| format!("writing receipt {}", path.display()))?;
+    }
+    Ok(out.status)
+}
+
+async fn reproduce(node: &Path, path: &Path) -> anyhow::Result<i32> {
     let text =
         std::fs::read(path).with_context(|| format!("reading receipt {}", path.display()))?;
     let r: receipt::Receipt =
         serde_json::from_slice(&text).with_context(|| format!("receipt {}", path.display()))?;
     anyhow::ensure!(
         r.version == receipt::RECEIPT_VERSION,
-        "receipt version {} is not supported",
-        r.version
+        "receipt version {} is not supported (this amber reads version {})",
+        r.version,
+        receipt::RECEIPT_VERSION
     );
     anyhow::ensure!(
-        r.kernel_release == kernel::KERNEL_RELEASE,
-        "the receipt pinned kernel {} but this node has {}: run a matching amber",
-        r.kernel_release,
-        kernel::KERNEL_RELEASE
+        !r.request.stdin,
+        "the receipt's command read stdin, which a receipt does not record"
     );
-    let (vmlinuz, initramfs) = node_files(dir)?;
-    let k = kernel::sha256_file(&vmlinuz)?;
-    anyhow::ensure!(
-        k == r.kernel,
-        "the pinned kernel {} is not on this node (it has {k})",
-        r.kernel
-    );
-    let i = kernel::sha256_file(&initramfs)?;
-    anyhow::ensure!(i == r.initramfs, "the pinned initramfs {} is not on this node (it has {i}): run `amber setup` with the same guest agent", r.initramfs);
-    let env: amber_converter::manifest::EnvDigest = r.env_digest.parse()?;
-    let out = boot(
-        &r.registry,
-        dir,
-        &env,
-        &r.request,
-        &r.vm,
-        None,
-        BootOptions::default(),
-    )
-    .await?;
+    let l = Launch {
+        registry: r.registry.clone(),
+        env: r.env_digest.parse()?,
+        kernel: kernel::boot_file(node, &r.registry, &r.kernel, "kernel").await?,
+        initramfs: kernel::boot_file(node, &r.registry, &r.initramfs, "initramfs").await?,
+        shape: r.vm.clone(),
+        boot: r.boot.clone(),
+        prefetch: false,
+        root_image: None,
+    };
+    let out = boot_and_exec(node, &l, &r.request, None).await?;
     let same = out.status == r.exit_status && out.stdout == r.stdout && out.stderr == r.stderr;
     if same {
         eprintln!(
@@ -249,106 +408,142 @@ async fn reproduce(dir: &std::path::Path, path: &std::path::Path) -> anyhow::Res
     }
 }
 
-async fn run_cmd(registry: &str, dir: &std::path::Path, a: RunArgs) -> anyhow::Result<i32> {
-    node_files(dir)?;
-    let resolved = image::resolve(registry, &a.reference, Duration::from_secs(600)).await?;
-    let c = &resolved.config;
-    let argv: Vec<String> = if a.command.is_empty() {
-        c.entrypoint.iter().chain(c.cmd.iter()).cloned().collect()
-    } else {
-        c.entrypoint
-            .iter()
-            .chain(a.command.iter())
-            .cloned()
-            .collect()
-    };
-    anyhow::ensure!(
-        !argv.is_empty(),
-        "no command given and the image has no Entrypoint or Cmd"
+async fn create(registry: &str, node: &Path, a: CreateArgs) -> anyhow::Result<i32> {
+    use std::os::unix::process::CommandExt;
+    let (resolved, _, l) = launch(registry, node, &a.vm).await?;
+    let id = new_id()?;
+    let dir = sandbox::sandbox_dir(node, &id)?;
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let base = request(
+        &resolved.config,
+        Vec::new(),
+        &a.vm.env,
+        a.vm.workdir.as_deref(),
+        a.vm.user.as_deref(),
+        &l.boot.hostname,
+        false,
     );
-    let hostname = a
-        .hostname
-        .clone()
-        .unwrap_or_else(|| resolved.env.hex()[..12].to_string());
-    let mut env = c.env.clone();
-    if !env.iter().any(|e| e.starts_with("PATH=")) {
-        env.insert(
-            0,
-            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
-        );
-    }
-    env.push(format!("HOSTNAME={hostname}"));
-    for e in &a.env {
-        let key = e.split('=').next().unwrap_or("");
-        env.retain(|x| x.split('=').next() != Some(key));
-        env.push(e.clone());
-    }
-    let req = amber_guest::Request {
-        argv,
-        env,
-        cwd: a.workdir.clone().unwrap_or_else(|| {
-            if c.working_dir.is_empty() {
-                "/".into()
-            } else {
-                c.working_dir.clone()
-            }
-        }),
-        user: a.user.clone().unwrap_or_else(|| c.user.clone()),
-        hostname,
+    let record = Record {
+        id: id.clone(),
+        reference: a.vm.reference.clone(),
+        image_digest: resolved.image_digest.clone(),
+        env: base.env,
+        cwd: base.cwd,
+        user: base.user,
+        launch: l,
     };
-    let shape = receipt::Vm {
-        accel: a.accel.clone(),
-        cpus: a.cpus,
-        memory_mib: a.memory,
+    std::fs::write(
+        dir.join("sandbox.json"),
+        serde_json::to_vec_pretty(&record)?,
+    )?;
+    let log = std::fs::File::create(dir.join("daemon.log"))?;
+    // The daemon outlives this command: its own session, stdin closed, output logged.
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .arg("--registry")
+        .arg(registry)
+        .arg("sandbox-daemon")
+        .arg(&dir)
+        .env("AMBER_HOME", node)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(log)
+        .process_group(0)
+        .spawn()
+        .context("starting the sandbox daemon")?;
+    let mut line = String::new();
+    let stdout = child.stdout.take().expect("piped");
+    tokio::task::spawn_blocking(move || {
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).map(|_| line)
+    })
+    .await??
+    .trim()
+    .eq("ready")
+    .then_some(())
+    .ok_or_else(|| {
+        let _ = child.wait();
+        let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default();
+        let _ = std::fs::remove_dir_all(&dir);
+        anyhow::anyhow!("the sandbox did not start: {}", log.trim())
+    })?;
+    println!("{id}");
+    Ok(0)
+}
+
+async fn exec(node: &Path, a: ExecArgs) -> anyhow::Result<i32> {
+    let r = sandbox::read_record(node, &a.id)?;
+    let base = RunConfig {
+        env: r.env.clone(),
+        working_dir: r.cwd.clone(),
+        user: r.user.clone(),
+        ..RunConfig::default()
     };
-    let opts = BootOptions {
-        prefetch: a.prefetch,
-        root_image: a.root_image.clone(),
+    let req = request(
+        &base,
+        a.command.clone(),
+        &a.env,
+        a.workdir.as_deref(),
+        a.user.as_deref(),
+        &r.launch.boot.hostname,
+        a.interactive,
+    );
+    let mux = sandbox::connect(node, &a.id).await?;
+    let stdin: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = if a.interactive {
+        Some(Box::new(tokio::io::stdin()))
+    } else {
+        None
     };
-    let out = boot(
-        registry,
-        dir,
-        &resolved.env,
+    let out = session::exec(
+        mux.open(),
         &req,
-        &shape,
-        a.timeout.map(Duration::from_secs),
-        opts,
+        stdin,
+        tokio::io::stdout(),
+        tokio::io::stderr(),
     )
     .await?;
-    if let Some(path) = &a.receipt {
-        let (vmlinuz, initramfs) = node_files(dir)?;
-        let r = receipt::Receipt {
-            version: receipt::RECEIPT_VERSION,
-            registry: registry.to_string(),
-            reference: a.reference.clone(),
-            image_digest: resolved.image_digest.clone(),
-            env_digest: resolved.env.to_string(),
-            kernel_release: kernel::KERNEL_RELEASE.to_string(),
-            kernel: kernel::sha256_file(&vmlinuz)?,
-            initramfs: kernel::sha256_file(&initramfs)?,
-            qemu: receipt::qemu_version(),
-            vm: shape,
-            request: req,
-            exit_status: out.status,
-            stdout: out.stdout.clone(),
-            stderr: out.stderr.clone(),
-        };
-        std::fs::write(path, serde_json::to_vec_pretty(&r)?)
-            .with_context(|| format!("writing receipt {}", path.display()))?;
-    }
     Ok(out.status)
 }
 
-fn tempfile_dir(dir: &std::path::Path) -> anyhow::Result<PathBuf> {
-    let base = dir.join("run");
-    std::fs::create_dir_all(&base)?;
-    let p = base.join(format!(
-        "{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)?
-            .as_nanos()
-    ));
-    std::fs::create_dir_all(&p).with_context(|| format!("creating {}", p.display()))?;
-    Ok(p)
+/// `ID:PATH` -> (id, path) when the id names a sandbox on this node.
+fn sandbox_path<'a>(node: &Path, s: &'a str) -> Option<(&'a str, &'a str)> {
+    let (id, path) = s.split_once(':')?;
+    sandbox::sandbox_dir(node, id)
+        .ok()?
+        .exists()
+        .then_some((id, path))
+}
+
+async fn cp(node: &Path, src: &str, dest: &str) -> anyhow::Result<i32> {
+    match (sandbox_path(node, src), sandbox_path(node, dest)) {
+        (None, Some((id, path))) => {
+            let mux = sandbox::connect(node, id).await?;
+            session::put(mux.open(), Path::new(src), path).await?;
+        }
+        (Some((id, path)), None) => {
+            let mux = sandbox::connect(node, id).await?;
+            session::get(mux.open(), path, Path::new(dest)).await?;
+        }
+        (Some(_), Some(_)) => anyhow::bail!("copying between two sandboxes is not supported"),
+        (None, None) => {
+            anyhow::bail!("one of {src:?} and {dest:?} must be ID:PATH of a sandbox on this node")
+        }
+    }
+    Ok(0)
+}
+
+async fn rm(node: &Path, id: &str) -> anyhow::Result<()> {
+    let dir = sandbox::sandbox_dir(node, id)?;
+    anyhow::ensure!(dir.exists(), "no sandbox {id} on this node");
+    match sandbox::connect(node, id).await {
+        Ok(mux) => {
+            let mut control = mux.session(0);
+            mux.send(amber_guest::SHUTDOWN, 0, &[]).await?;
+            // The daemon closes the socket when it exits, after removing the directory.
+            while control.recv().await.is_some() {}
+        }
+        Err(_) => {
+            // The daemon is gone (killed, or the node restarted): only the record is left.
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+    Ok(())
 }
