@@ -250,7 +250,7 @@ def fixture_layouts(work):
     Docker engine from fixtures/images (cached under .run/bench/convert)."""
     out = os.path.join(work, "convert")
     os.makedirs(out, exist_ok=True)
-    rootfs = os.path.join(RUN, "cache", "debian-bookworm.tar")
+    rootfs = os.path.join(RUN, "cache", "debian-bookworm-v2.tar")
     if not os.path.exists(rootfs):
         os.makedirs(os.path.dirname(rootfs), exist_ok=True)
         subprocess.run([os.path.join(ROOT, "fixtures/debian-rootfs.sh"), rootfs], check=True)
@@ -384,7 +384,7 @@ def bench_boot(work, runs):
     home = os.path.join(work, "amber-home")
     os.makedirs(home, exist_ok=True)
     env = dict(os.environ, AMBER_HOME=home)
-    rootfs = os.path.join(RUN, "cache", "debian-bookworm.tar")
+    rootfs = os.path.join(RUN, "cache", "debian-bookworm-v2.tar")
     if not os.path.exists(rootfs):
         os.makedirs(os.path.dirname(rootfs), exist_ok=True)
         subprocess.run([os.path.join(ROOT, "fixtures/debian-rootfs.sh"), rootfs], check=True)

@@ -1,152 +1,35 @@
 //! `amber run` end to end: an image built from a Dockerfile with the Docker engine and
 //! pushed with `docker push` runs in a QEMU microVM; for a set of probe commands amber's
-//! stdout, stderr and exit status equal `docker run`'s for the same image.
-//!
-//! Needs (scripts/test provides them): AMBER_TEST_DOCKER_HOST (a Docker engine),
-//! AMBER_TEST_DEBIAN_ROOTFS (the Debian base root fs), AMBER_GUEST (the static guest
-//! agent), AMBER_TEST_HOME (a node directory kept between runs), qemu-system-x86_64.
+//! stdout, stderr and exit status equal `docker run`'s for the same image; the guest's
+//! root device is bit-identical to the manifest's; a receipt reproduces on a fresh node
+//! after the registry restarts.
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+mod common;
 
-fn env(name: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set: scripts/test sets it"))
-}
-
-fn target_dir() -> PathBuf {
-    std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-fn ok(cmd: &mut Command) -> String {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn docker() -> Command {
-    let mut c = Command::new("docker");
-    c.arg("-H").arg(env("AMBER_TEST_DOCKER_HOST"));
-    c
-}
-
-struct Registry {
-    child: Child,
-    addr: String,
-}
-
-impl Registry {
-    /// The registry on `data`, listening on `listen` (port 0: any free port).
-    fn start(data: &Path, listen: &str) -> Registry {
-        let bin = target_dir().join("amber-registry");
-        assert!(
-            bin.exists(),
-            "{} is missing: build the workspace first",
-            bin.display()
-        );
-        let mut child = Command::new(bin)
-            .args(["serve", "--listen", listen, "--data"])
-            .arg(data)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .expect("registry started")
-            .to_string();
-        Registry { child, addr }
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn amber(reg: &Registry, args: &[&str]) -> Output {
-    Command::new(target_dir().join("amber"))
-        .arg("--registry")
-        .arg(format!("http://{}", reg.addr))
-        .args(args)
-        .env("AMBER_HOME", env("AMBER_TEST_HOME"))
-        .output()
-        .unwrap()
-}
+use common::*;
 
 #[test]
 fn amber_run_matches_docker_run_and_a_receipt_reproduces() {
     let data = tempfile::tempdir().unwrap();
     let reg = Registry::start(data.path(), "127.0.0.1:0");
-    let setup = Command::new(target_dir().join("amber"))
-        .args(["setup", "--guest", &env("AMBER_GUEST")])
-        .env("AMBER_HOME", env("AMBER_TEST_HOME"))
-        .output()
-        .unwrap();
-    assert!(setup.status.success(), "amber setup: {setup:?}");
+    let node = Node::setup(&reg);
 
     // The Python image of the fidelity set, built and pushed with the Docker engine.
-    ok(docker().args([
-        "import",
-        &env("AMBER_TEST_DEBIAN_ROOTFS"),
-        "amber-test/debian:bookworm",
-    ]));
-    let ctx = tempfile::tempdir().unwrap();
-    std::fs::copy(
-        repo_root().join("fixtures/images/python-pip/Dockerfile"),
-        ctx.path().join("Dockerfile"),
-    )
-    .unwrap();
+    debian_base();
     let ca = std::env::var("SSL_CERT_FILE")
         .unwrap_or_else(|_| "/etc/ssl/certs/ca-certificates.crt".into());
-    std::fs::copy(&ca, ctx.path().join("build-ca.crt")).unwrap();
+    let dockerfile =
+        std::fs::read_to_string(repo_root().join("fixtures/images/python-pip/Dockerfile")).unwrap();
     let image = format!("{}/run/python:v1", reg.addr);
-    ok(docker()
-        .args(["build", "-q", "--network", "host", "-t", &image])
-        .arg(ctx.path()));
-    let push = ok(docker().args(["push", &image]));
-    let digest = push
-        .split("digest: ")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .expect("pushed digest")
-        .to_string();
+    let digest = build_and_push(
+        &image,
+        &dockerfile,
+        &[("build-ca.crt", std::path::Path::new(&ca))],
+    );
     let pinned = format!("run/python@{digest}");
 
-    let out = amber(&reg, &["run", &pinned, "--", "python3", "-c", "print(1)"]);
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout),
-        "1\n",
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = node.amber(&reg, &["run", &pinned, "--", "python3", "-c", "print(1)"]);
+    assert_eq!(stdout(&out), "1\n", "{}", stderr(&out));
     assert_eq!(out.status.code(), Some(0));
 
     let probes: &[&[&str]] = &[
@@ -166,12 +49,14 @@ fn amber_run_matches_docker_run_and_a_receipt_reproduces() {
             "import requests, os; print(requests.__version__, os.getuid())",
         ],
         &["ls", "/nonexistent"],
+        // SIGPIPE is at its default for the command, as under docker.
+        &["sh", "-c", "yes | head -c 3; echo"],
     ];
     let mut diffs = Vec::new();
     for p in probes {
         let mut a_args = vec!["run", "--hostname", "amber-probe", &pinned, "--"];
         a_args.extend_from_slice(p);
-        let a = amber(&reg, &a_args);
+        let a = node.amber(&reg, &a_args);
         let d = docker()
             .args([
                 "run",
@@ -180,22 +65,20 @@ fn amber_run_matches_docker_run_and_a_receipt_reproduces() {
                 "none",
                 "--hostname",
                 "amber-probe",
-                &image,
             ])
+            .arg(&image)
             .args(*p)
             .output()
             .unwrap();
-        let same =
-            a.stdout == d.stdout && a.stderr == d.stderr && a.status.code() == d.status.code();
-        if !same {
+        if a.stdout != d.stdout || a.stderr != d.stderr || a.status.code() != d.status.code() {
             diffs.push(format!(
                 "{p:?}:\n  amber  {:?} stdout {:?} stderr {:?}\n  docker {:?} stdout {:?} stderr {:?}",
                 a.status.code(),
-                String::from_utf8_lossy(&a.stdout),
-                String::from_utf8_lossy(&a.stderr),
+                stdout(&a),
+                stderr(&a),
                 d.status.code(),
-                String::from_utf8_lossy(&d.stdout),
-                String::from_utf8_lossy(&d.stderr)
+                stdout(&d),
+                stderr(&d)
             ));
         }
     }
@@ -205,4 +88,128 @@ fn amber_run_matches_docker_run_and_a_receipt_reproduces() {
         diffs.len(),
         diffs.join("\n")
     );
+
+    // stdin passes through with -i, and is /dev/null without it (as docker run).
+    let input: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    let a = node.amber_with_stdin(&reg, &["run", "-i", &pinned, "--", "sha256sum"], &input);
+    assert_eq!(
+        stdout(&a),
+        format!(
+            "{}  -\n",
+            hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&input))
+        ),
+        "{}",
+        stderr(&a)
+    );
+    let a = node.amber_with_stdin(&reg, &["run", &pinned, "--", "wc", "-c"], b"ignored");
+    assert_eq!(stdout(&a), "0\n");
+
+    // The guest's root device is the manifest's device, bit for bit, cold and warm.
+    let env = reg.env_of("run/python", &digest);
+    let want = reg.device_sha256(&env);
+    for cache in ["cold", "warm"] {
+        if cache == "cold" {
+            std::fs::remove_dir_all(node.chunks()).unwrap();
+        }
+        let a = node.amber(
+            &reg,
+            &[
+                "run",
+                "--root-device",
+                &pinned,
+                "--",
+                "sha256sum",
+                "/dev/vda",
+            ],
+        );
+        assert_eq!(
+            stdout(&a),
+            format!("{want}  /dev/vda\n"),
+            "{cache}: {}",
+            stderr(&a)
+        );
+    }
+
+    // A receipt, reproduced on a fresh node (no boot files, no chunks) after the
+    // registry restarted: the node takes the pinned kernel and initramfs from the
+    // registry by digest.
+    let receipt = node.home.path().join("receipt.json");
+    let cmd = "import requests, sys; print(requests.__version__); print('e', file=sys.stderr); sys.exit(4)";
+    let a = node.amber(
+        &reg,
+        &[
+            "run",
+            "--receipt",
+            receipt.to_str().unwrap(),
+            &pinned,
+            "--",
+            "python3",
+            "-c",
+            cmd,
+        ],
+    );
+    assert_eq!(a.status.code(), Some(4), "{}", stderr(&a));
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&receipt).unwrap()).unwrap();
+    assert_eq!(r["image_digest"], digest.as_str());
+    assert_eq!(r["env_digest"], env.as_str());
+    assert_eq!(r["exit_status"], 4);
+    for k in ["kernel", "initramfs", "stdout", "stderr", "qemu"] {
+        assert!(
+            r[k].as_str().is_some_and(|s| !s.is_empty()),
+            "receipt {k}: {r}"
+        );
+    }
+    let reg = reg.restart();
+    let fresh = Node::bare();
+    let again = fresh.amber(&reg, &["reproduce", receipt.to_str().unwrap()]);
+    assert_eq!(again.status.code(), Some(4), "{}", stderr(&again));
+    assert_eq!(again.stdout, a.stdout);
+    assert!(stderr(&again).contains("(identical)"), "{}", stderr(&again));
+
+    // A receipt pinning a kernel nobody has fails, naming it.
+    let mut bad = r.clone();
+    bad["kernel"] = format!("sha256:{}", "0".repeat(64)).into();
+    let bad_path = fresh.home.path().join("bad.json");
+    std::fs::write(&bad_path, serde_json::to_vec(&bad).unwrap()).unwrap();
+    let e = fresh.amber(&reg, &["reproduce", bad_path.to_str().unwrap()]);
+    assert_eq!(e.status.code(), Some(125));
+    assert!(
+        stderr(&e).contains(&format!("the pinned kernel sha256:{}", "0".repeat(64))),
+        "{}",
+        stderr(&e)
+    );
+}
+
+#[test]
+fn bad_references_and_an_unprepared_node_get_clear_errors() {
+    let data = tempfile::tempdir().unwrap();
+    let reg = Registry::start(data.path(), "127.0.0.1:0");
+    let bare = Node::bare();
+    let e = bare.amber(&reg, &["run", "x/y:v1", "--", "true"]);
+    assert_eq!(e.status.code(), Some(125));
+    assert!(stderr(&e).contains("run `amber setup`"), "{}", stderr(&e));
+
+    let node = Node::setup(&reg);
+    for (reference, says) in [
+        ("no/such:tag", "HTTP 404"),
+        ("blake3:zz", "blake3"),
+        (
+            &format!("blake3:{}", "1".repeat(64)) as &str,
+            "is not in the registry",
+        ),
+    ] {
+        let e = node.amber(&reg, &["run", reference, "--", "true"]);
+        assert_eq!(e.status.code(), Some(125), "{reference}");
+        assert!(stderr(&e).contains(says), "{reference}: {}", stderr(&e));
+    }
+    for args in [
+        &["exec", "nosuch", "--", "true"][..],
+        &["exec", "../etc", "--", "true"],
+        &["rm", "nosuch"],
+        &["cp", "a", "b"],
+    ] {
+        let e = node.amber(&reg, args);
+        assert_eq!(e.status.code(), Some(125), "{args:?}");
+        assert!(!stderr(&e).is_empty(), "{args:?}");
+    }
 }

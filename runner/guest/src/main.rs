@@ -196,7 +196,8 @@ struct Ids {
 
 /// Resolves an image `User` the way docker does, from the env's /etc/passwd and /etc/group.
 fn resolve_user(spec: &str) -> Result<Ids, String> {
-    let read = |p: &str| std::fs::read_to_string(format!("{NEWROOT}{p}")).unwrap_or_default();
+    // Called after `boot` moved the agent into the sandbox root.
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let passwd = read("/etc/passwd");
     let group = read("/etc/group");
     let (u, g) = match spec.split_once(':') {

@@ -1,0 +1,87 @@
+//! Lazy and verified: `amber run -- true` on an image of more than 500 MiB fetches at most
+//! 10% of the image's bytes; a second run on the node fetches no chunk; a chunk corrupted
+//! in the registry's store fails the run with an integrity error naming it, and the node
+//! cache never keeps it.
+
+mod common;
+
+use common::*;
+
+#[test]
+fn a_big_image_boots_lazily_and_a_corrupt_chunk_is_an_integrity_error() {
+    let data = tempfile::tempdir().unwrap();
+    let reg = Registry::start(data.path(), "127.0.0.1:0");
+    let node = Node::setup(&reg);
+    debian_base();
+    let image = format!("{}/lazy/big:v1", reg.addr);
+    let digest = build_and_push(
+        &image,
+        "FROM amber-test/debian:bookworm\n\
+         RUN mkdir /data && for i in $(seq 1 55); do head -c 10485760 /dev/urandom > /data/blob$i; done\n",
+        &[],
+    );
+    let pinned = format!("lazy/big@{digest}");
+    let manifest = reg.json(&format!("/v2/lazy/big/manifests/{digest}"));
+    let image_bytes: u64 = manifest["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["size"].as_u64().unwrap())
+        .sum();
+    assert!(image_bytes > 500 << 20, "the image has {image_bytes} bytes");
+
+    let chunk_gets = || {
+        reg.metric(
+            "amber_http_requests_total",
+            "route=\"amber_chunk\",method=\"GET\"",
+        )
+    };
+    let bytes_out = || reg.metric("amber_http_body_bytes_out_total", "");
+    // amber waits for the conversion; run once so the env exists, then measure cold.
+    let o = node.amber(&reg, &["run", &pinned, "--", "true"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_dir_all(node.chunks()).unwrap();
+    let before = bytes_out();
+    let o = node.amber(&reg, &["run", &pinned, "--", "true"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let fetched = bytes_out() - before;
+    assert!(
+        fetched <= 0.10 * image_bytes as f64,
+        "a cold run fetched {fetched} of {image_bytes} bytes"
+    );
+    let gets = chunk_gets();
+    let o = node.amber(&reg, &["run", &pinned, "--", "true"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(chunk_gets(), gets, "a warm run fetched chunks");
+
+    // Corrupt the chunk holding the superblock: a valid zstd frame of other bytes.
+    let env = reg.env_of("lazy/big", &digest);
+    let envelope = reg.json(&format!("/amber/v1/envs/{env}"));
+    let first = &envelope["manifest"]["extents"][0];
+    assert_eq!(first["offset"], 0);
+    let chunk = first["chunk"].as_str().unwrap().to_string();
+    let file = reg.chunk_file(&chunk);
+    let good = std::fs::read(&file).unwrap();
+    let len = first["length"].as_u64().unwrap() as usize;
+    std::fs::write(&file, zstd::encode_all(&vec![0x5a; len][..], 3).unwrap()).unwrap();
+    std::fs::remove_dir_all(node.chunks()).unwrap();
+    let o = node.amber(&reg, &["run", &pinned, "--", "true"]);
+    assert_eq!(o.status.code(), Some(125), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!("integrity error: chunk {chunk}")),
+        "{}",
+        stderr(&o)
+    );
+    let cached = node
+        .chunks()
+        .join(&chunk["blake3:".len()..][..2])
+        .join(&chunk["blake3:".len()..]);
+    assert!(
+        !cached.exists(),
+        "the node cache kept a chunk that failed verification"
+    );
+    // Repaired in the store, the same node runs again.
+    std::fs::write(&file, good).unwrap();
+    let o = node.amber(&reg, &["run", &pinned, "--", "true"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

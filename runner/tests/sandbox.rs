@@ -1,0 +1,198 @@
+//! `amber create`, `exec`, `cp` and `rm`: a sandbox stays up across commands; exec runs
+//! as `docker exec` does (the image's user, workdir and env; -u/-w/-e; stdin with -i;
+//! signals forwarded; exit status back); cp copies trees both ways; sessions run at once.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+
+use common::*;
+
+#[test]
+fn a_sandbox_keeps_its_state_across_exec_and_copies() {
+    let data = tempfile::tempdir().unwrap();
+    let reg = Registry::start(data.path(), "127.0.0.1:0");
+    let node = Node::setup(&reg);
+    debian_base();
+    let image = format!("{}/sandbox/worker:v1", reg.addr);
+    build_and_push(
+        &image,
+        "FROM amber-test/debian:bookworm\n\
+         RUN useradd -m -u 1234 worker && mkdir /work && chown worker /work\n\
+         ENV GREETING=hello\n\
+         WORKDIR /work\n\
+         USER worker\n",
+        &[],
+    );
+    let created = node.amber(&reg, &["create", "--hostname", "box", "sandbox/worker:v1"]);
+    assert!(created.status.success(), "{}", stderr(&created));
+    let id = stdout(&created).trim().to_string();
+    assert!(stdout(&node.amber(&reg, &["ps"])).starts_with(&format!("{id}\tsandbox/worker:v1\t")));
+
+    let exec = |args: &[&str]| {
+        let mut a = vec!["exec"];
+        a.extend_from_slice(args);
+        node.amber(&reg, &a)
+    };
+    let o = exec(&[
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "id -u; pwd; hostname; echo $GREETING; echo state > /work/f",
+    ]);
+    assert_eq!(stdout(&o), "1234\n/work\nbox\nhello\n", "{}", stderr(&o));
+    assert_eq!(stdout(&exec(&[&id, "--", "cat", "/work/f"])), "state\n");
+    let o = exec(&[
+        "-u",
+        "root",
+        "-w",
+        "/tmp",
+        "-e",
+        "GREETING=bye",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "id -u; pwd; echo $GREETING",
+    ]);
+    assert_eq!(stdout(&o), "0\n/tmp\nbye\n");
+    assert_eq!(
+        exec(&[&id, "--", "sh", "-c", "exit 9"]).status.code(),
+        Some(9)
+    );
+    let o = exec(&[&id, "--", "no-such-command"]);
+    assert_eq!(o.status.code(), Some(127));
+    let input = vec![7u8; 2_500_000];
+    let o = node.amber_with_stdin(&reg, &["exec", "-i", &id, "--", "wc", "-c"], &input);
+    assert_eq!(stdout(&o), "2500000\n");
+
+    // Copies in: a tree with a nested file, an executable and a symlink.
+    let local = tempfile::tempdir().unwrap();
+    let tree = local.path().join("tree");
+    std::fs::create_dir_all(tree.join("sub")).unwrap();
+    std::fs::write(tree.join("sub/data"), b"payload").unwrap();
+    std::fs::write(tree.join("run.sh"), b"#!/bin/sh\necho ran\n").unwrap();
+    std::fs::set_permissions(
+        tree.join("run.sh"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("sub/data", tree.join("link")).unwrap();
+    let o = node.amber(
+        &reg,
+        &["cp", tree.to_str().unwrap(), &format!("{id}:/tmp/")],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = exec(&[
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "cd /tmp/tree && find . -printf '%p %y %m\\n' | sort && cat link && ./run.sh",
+    ]);
+    assert_eq!(
+        stdout(&o),
+        ". d 755\n./link l 777\n./run.sh f 755\n./sub d 755\n./sub/data f 644\npayloadran\n",
+        "{}",
+        stderr(&o)
+    );
+    // ... and out, onto a new name and into a directory.
+    let back = local.path().join("back");
+    let o = node.amber(
+        &reg,
+        &["cp", &format!("{id}:/work/f"), back.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&back).unwrap(), b"state\n");
+    let into = local.path().join("into");
+    std::fs::create_dir(&into).unwrap();
+    let o = node.amber(
+        &reg,
+        &["cp", &format!("{id}:/tmp/tree"), into.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read(into.join("tree/sub/data")).unwrap(),
+        b"payload"
+    );
+    assert_eq!(
+        std::fs::read_link(into.join("tree/link")).unwrap(),
+        std::path::Path::new("sub/data")
+    );
+    // A path that is not there is a clear error, and nothing is written.
+    let o = node.amber(
+        &reg,
+        &[
+            "cp",
+            &format!("{id}:/nope"),
+            local.path().join("x").to_str().unwrap(),
+        ],
+    );
+    assert_eq!(o.status.code(), Some(125));
+    assert!(stderr(&o).contains("/nope: No such file"), "{}", stderr(&o));
+    assert!(!local.path().join("x").exists());
+
+    // Two commands at once, each with its own output.
+    let spawn = |n: &str| {
+        node.command(&reg)
+            .args([
+                "exec",
+                &id,
+                "--",
+                "sh",
+                "-c",
+                &format!("head -c {n} /dev/zero | wc -c"),
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (spawn("3000000"), spawn("5000000"));
+    assert_eq!(
+        String::from_utf8(a.wait_with_output().unwrap().stdout).unwrap(),
+        "3000000\n"
+    );
+    assert_eq!(
+        String::from_utf8(b.wait_with_output().unwrap().stdout).unwrap(),
+        "5000000\n"
+    );
+
+    // A signal to `amber exec` reaches the command.
+    let mut child = node
+        .command(&reg)
+        .args([
+            "exec",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "trap 'echo got-term; exit 7' TERM; echo ready; while :; do sleep 0.1; done",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n");
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "got-term\n");
+    assert_eq!(child.wait().unwrap().code(), Some(7));
+
+    let o = node.amber(&reg, &["rm", &id]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&node.amber(&reg, &["ps"])), "");
+    assert!(!node.home.path().join("sandboxes").join(&id).exists());
+    let o = exec(&[&id, "--", "true"]);
+    assert_eq!(o.status.code(), Some(125));
+    assert!(
+        stderr(&o).contains(&format!("no sandbox {id}")),
+        "{}",
+        stderr(&o)
+    );
+}
