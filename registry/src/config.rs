@@ -24,6 +24,9 @@ pub struct S3Config {
     pub bucket: Option<String>,
     pub region: Option<String>,
     pub path_style: Option<bool>,
+    pub prefix: Option<String>,
+    pub access_key_id: Option<String>,
+    pub secret_access_key: Option<String>,
 }
 
 /// The configuration file, every key optional.
@@ -65,6 +68,14 @@ pub struct ConfigArgs {
     pub s3_region: Option<String>,
     #[arg(long, env = "AMBER_S3_PATH_STYLE")]
     pub s3_path_style: Option<bool>,
+    /// Prefix of every key in the bucket (several registries can share one).
+    #[arg(long, env = "AMBER_S3_PREFIX")]
+    pub s3_prefix: Option<String>,
+    /// Static credentials; without them the standard AWS provider chain is used.
+    #[arg(long, env = "AMBER_S3_ACCESS_KEY_ID")]
+    pub s3_access_key_id: Option<String>,
+    #[arg(long, env = "AMBER_S3_SECRET_ACCESS_KEY", hide_env_values = true)]
+    pub s3_secret_access_key: Option<String>,
     /// Authentication: none | basic | token.
     #[arg(long, env = "AMBER_AUTH")]
     pub auth: Option<String>,
@@ -164,6 +175,9 @@ impl ConfigArgs {
                 bucket: self.s3_bucket.clone().or(fs3.bucket),
                 region: self.s3_region.clone().or(fs3.region),
                 path_style: self.s3_path_style.or(fs3.path_style),
+                prefix: self.s3_prefix.clone().or(fs3.prefix),
+                access_key_id: self.s3_access_key_id.clone().or(fs3.access_key_id),
+                secret_access_key: self.s3_secret_access_key.clone().or(fs3.secret_access_key),
             },
             auth: self.auth.clone().or(file.auth).unwrap_or(d.auth),
             users: self.users.clone().or(file.users),
@@ -198,15 +212,36 @@ impl ConfigArgs {
             )));
         }
         if cfg.storage == StorageKind::S3 {
-            return Err(ConfigError::Invalid(
-                "storage `s3` is not available yet (tracked by the S3 issue); use `fs`".into(),
-            ));
+            if cfg.s3.bucket.as_deref().unwrap_or("").is_empty() {
+                return Err(ConfigError::Invalid(
+                    "storage `s3` needs a bucket (`s3_bucket`, AMBER_S3_BUCKET)".into(),
+                ));
+            }
+            if cfg.s3.access_key_id.is_some() != cfg.s3.secret_access_key.is_some() {
+                return Err(ConfigError::Invalid(
+                    "give both s3_access_key_id and s3_secret_access_key, or neither (the standard AWS chain)".into(),
+                ));
+            }
         }
         Ok(cfg)
     }
 }
 
 impl Config {
+    /// The S3 backend's settings (valid once `storage` is `s3`).
+    pub fn s3_settings(&self) -> crate::store::s3::S3Settings {
+        let s = &self.s3;
+        crate::store::s3::S3Settings {
+            endpoint: s.endpoint.clone(),
+            bucket: s.bucket.clone().unwrap_or_default(),
+            region: s.region.clone().unwrap_or_else(|| "us-east-1".into()),
+            // Custom endpoints are S3-compatible servers: path style unless told otherwise.
+            path_style: s.path_style.unwrap_or(s.endpoint.is_some()),
+            prefix: s.prefix.clone().unwrap_or_default(),
+            credentials: s.access_key_id.clone().zip(s.secret_access_key.clone()),
+        }
+    }
+
     /// Whether tags of `repo` are immutable under `immutable_tags`.
     pub fn tags_immutable(&self, repo: &str) -> bool {
         self.immutable_tags
@@ -264,5 +299,36 @@ mod tests {
         .resolve()
         .unwrap_err();
         assert!(err.to_string().contains("without authentication"), "{err}");
+        let err = ConfigArgs {
+            storage: Some(StorageKind::S3),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(err.to_string().contains("needs a bucket"), "{err}");
+        let err = ConfigArgs {
+            storage: Some(StorageKind::S3),
+            s3_bucket: Some("b".into()),
+            s3_access_key_id: Some("k".into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap_err();
+        assert!(err.to_string().contains("or neither"), "{err}");
+    }
+
+    #[test]
+    fn s3_settings_default_to_path_style_for_custom_endpoints() {
+        let c = ConfigArgs {
+            storage: Some(StorageKind::S3),
+            s3_bucket: Some("b".into()),
+            s3_endpoint: Some("http://127.0.0.1:9000".into()),
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        let s = c.s3_settings();
+        assert!(s.path_style);
+        assert_eq!((s.region.as_str(), s.credentials), ("us-east-1", None));
     }
 }

@@ -27,7 +27,16 @@ pub async fn open(config: Config) -> anyhow::Result<Arc<Registry>> {
                     .with_context(|| format!("opening store at {}", root.display()))?,
             )
         }
-        StorageKind::S3 => anyhow::bail!("storage `s3` is not available yet"),
+        StorageKind::S3 => {
+            let settings = config.s3_settings();
+            Arc::new(
+                crate::store::s3::S3Store::connect(&settings)
+                    .await
+                    .with_context(|| {
+                        format!("opening the S3 store (bucket {})", settings.bucket)
+                    })?,
+            )
+        }
     };
     Ok(Arc::new(Registry::new(config, index, store)))
 }

@@ -1,6 +1,6 @@
 //! The object store: where blob and manifest bytes live. One small trait, several
-//! backends behind it (`fs` now; `s3` next), and one shared test suite (`suite`) that
-//! every backend must pass.
+//! backends behind it (`fs`: local disk; `s3`: AWS S3 or an S3-compatible server), and
+//! one shared test suite (`suite`) that every backend must pass.
 //!
 //! Two namespaces:
 //! - published objects, named by an [`ObjectKey`] derived from a content digest. They are
@@ -12,6 +12,7 @@
 //!   under a key or removed.
 
 pub mod fs;
+pub mod s3;
 #[cfg(test)]
 pub(crate) mod suite;
 
