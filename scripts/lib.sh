@@ -14,8 +14,12 @@ DEB_PACKAGES=(
   docker.io skopeo buildah podman docker-registry uidmap
   busybox-static erofs-utils curl file debootstrap attr mount
 )
-# PyPI packages the tests need.
-PIP_PACKAGES=(oras==0.2.43)
+# PyPI packages the tests need (moto: an S3-compatible server; 5.2.2+ answers
+# CompleteMultipartUpload with the element name the AWS SDKs expect).
+PIP_PACKAGES=(oras==0.2.43 "moto[server]==5.2.5")
+# crates.io binaries the tests need: s3s-fs, an S3-compatible server with data on disk
+# and real signature checks.
+S3S_FS_VERSION=0.14.1
 
 install_deps() {
   local missing=()
@@ -30,7 +34,9 @@ install_deps() {
   fi
   local pip_missing=()
   for p in "${PIP_PACKAGES[@]}"; do
-    python3 -m pip show -q "${p%%==*}" >/dev/null 2>&1 || pip_missing+=("$p")
+    local name=${p%%==*} want=${p##*==}
+    [ "$(python3 -m pip show "${name%%[*}" 2>/dev/null | awk '/^Version:/ {print $2}')" = "$want" ] ||
+      pip_missing+=("$p")
   done
   if ((${#pip_missing[@]})); then
     log "installing PyPI packages: ${pip_missing[*]}"
@@ -49,6 +55,10 @@ install_deps() {
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends -t bookworm-backports qemu-system-x86 >/dev/null
   fi
   command -v cargo >/dev/null || die "cargo is not installed (this machine kind has rustup's toolchain)"
+  if ! s3s-fs --version 2>/dev/null | grep -q "$S3S_FS_VERSION"; then
+    log "installing s3s-fs $S3S_FS_VERSION (cargo install, a few minutes once)"
+    cargo install -q "s3s-fs@$S3S_FS_VERSION" --features binary --locked
+  fi
 }
 
 # Build against Debian's RocksDB (minutes instead of a quarter hour for the bundled one),
@@ -83,6 +93,48 @@ stop_dockerd() {
   for m in $(awk -v d="$RUN_DIR/docker/" 'index($2, d) == 1 {print $2}' /proc/mounts | sort -r); do
     umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
   done
+}
+
+# free_port: a TCP port nobody listens on now, on loopback.
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# wait_http NAME URL: waits for a service started in the background to answer.
+wait_http() {
+  for _ in $(seq 300); do
+    curl -s -o /dev/null "$2" && return 0
+    pid_alive "$RUN_DIR/$1.pid" || break
+    sleep 0.1
+  done
+  die "$1 did not start (log: $RUN_DIR/$1.log)"
+}
+
+# start_s3_servers: moto (in memory, conditional writes) and s3s-fs (on disk, real
+# signatures) on loopback, each with the bucket amber-test. Exports
+# AMBER_TEST_S3_ENDPOINTS (name=url,...) and AMBER_TEST_S3_BUCKET.
+start_s3_servers() {
+  stop_s3_servers
+  local moto_port s3s_port
+  moto_port=$(free_port)
+  moto_server -H 127.0.0.1 -p "$moto_port" >"$RUN_DIR/moto.log" 2>&1 &
+  echo $! >"$RUN_DIR/moto.pid"
+  rm -rf "$RUN_DIR/s3s-fs" && mkdir -p "$RUN_DIR/s3s-fs/amber-test"
+  s3s_port=$(free_port)
+  s3s-fs --host 127.0.0.1 --port "$s3s_port" --access-key amber --secret-key amber-secret \
+    "$RUN_DIR/s3s-fs" >"$RUN_DIR/s3s-fs.log" 2>&1 &
+  echo $! >"$RUN_DIR/s3s-fs.pid"
+  wait_http moto "http://127.0.0.1:$moto_port/"
+  wait_http s3s-fs "http://127.0.0.1:$s3s_port/"
+  curl -fsS -X PUT -o /dev/null "http://127.0.0.1:$moto_port/amber-test" || die "creating the moto bucket"
+  export AMBER_TEST_S3_ENDPOINTS="moto=http://127.0.0.1:$moto_port,s3s-fs=http://127.0.0.1:$s3s_port"
+  export AMBER_TEST_S3_BUCKET=amber-test
+  log "S3 servers: $AMBER_TEST_S3_ENDPOINTS"
+}
+
+stop_s3_servers() {
+  stop_pid moto
+  stop_pid s3s-fs
 }
 
 # start_dockerd: a Docker engine of our own on a Unix socket in $RUN_DIR, vfs storage,

@@ -36,7 +36,16 @@ fn docker(args: &[&str]) -> String {
 
 #[tokio::test]
 async fn docker_build_push_pull_run_round_trip() {
-    let s = Server::start(&[]);
+    docker_build_push_pull_run_round_trip_on(Storage::Fs).await;
+}
+
+#[tokio::test]
+async fn docker_build_push_pull_run_round_trip_on_s3() {
+    docker_build_push_pull_run_round_trip_on(Storage::S3).await;
+}
+
+async fn docker_build_push_pull_run_round_trip_on(storage: Storage) {
+    let s = Server::start_on(storage, &[]);
     let tmp = tempfile::tempdir().unwrap();
     let base = base_rootfs(tmp.path());
     docker(&["import", base.to_str().unwrap(), "amber-test/busybox:1"]);
@@ -176,7 +185,16 @@ async fn buildah_push_podman_pull_round_trip() {
 
 #[tokio::test]
 async fn skopeo_copy_all_of_a_multi_arch_index_in_oci_and_docker_formats() {
-    let s = Server::start(&[]);
+    skopeo_copy_all_of_a_multi_arch_index_in_oci_and_docker_formats_on(Storage::Fs).await;
+}
+
+#[tokio::test]
+async fn skopeo_copy_all_of_a_multi_arch_index_in_oci_and_docker_formats_on_s3() {
+    skopeo_copy_all_of_a_multi_arch_index_in_oci_and_docker_formats_on(Storage::S3).await;
+}
+
+async fn skopeo_copy_all_of_a_multi_arch_index_in_oci_and_docker_formats_on(storage: Storage) {
+    let s = Server::start_on(storage, &[]);
     let ct = Containers::new(&s.addr);
     let rootfs = base_rootfs(ct.dir.path());
     for arch in ["amd64", "arm64"] {

@@ -154,7 +154,16 @@ const TZST: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pushed_images_convert_to_the_same_device_whatever_the_compression() {
-    let s = Server::start(&[]);
+    pushed_images_convert_to_the_same_device_whatever_the_compression_on(Storage::Fs).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushed_images_convert_to_the_same_device_whatever_the_compression_on_s3() {
+    pushed_images_convert_to_the_same_device_whatever_the_compression_on(Storage::S3).await;
+}
+
+async fn pushed_images_convert_to_the_same_device_whatever_the_compression_on(storage: Storage) {
+    let s = Server::start_on(storage, &[]);
     let tars = layers();
     let variants: Vec<(&str, Vec<LayerBlob>)> = vec![
         ("gzip", tars.iter().map(|t| (gzip(t), TGZ)).collect()),

@@ -125,8 +125,15 @@ impl S3Store {
             loader = loader.endpoint_url(e);
         }
         let shared = loader.load().await;
+        // Responses are checked where it matters, end to end: blobs against their sha256,
+        // chunks against their blake3. The SDK's own response checksums are only checked
+        // when asked for, because S3-compatible servers get them wrong for objects made by
+        // UploadPartCopy (s3s-fs 0.14 sends the checksum of the copy's source).
         let conf = aws_sdk_s3::config::Builder::from(&shared)
             .force_path_style(s.path_style)
+            .response_checksum_validation(
+                aws_sdk_s3::config::ResponseChecksumValidation::WhenRequired,
+            )
             .build();
         let store = S3Store {
             client: aws_sdk_s3::Client::from_conf(conf),

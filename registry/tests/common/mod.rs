@@ -15,7 +15,57 @@ pub struct Server {
     _tmp: Option<tempfile::TempDir>,
 }
 
+/// Where a test registry keeps its objects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Storage {
+    Fs,
+    /// The moto server scripts/test started (AMBER_TEST_S3_ENDPOINTS), under a fresh prefix.
+    S3,
+}
+
+/// `name=url` of the S3-compatible server called `name` that scripts/test started.
+pub fn s3_endpoint(name: &str) -> String {
+    let all = std::env::var("AMBER_TEST_S3_ENDPOINTS")
+        .expect("AMBER_TEST_S3_ENDPOINTS is not set: scripts/test starts the S3 servers");
+    all.split(',')
+        .find_map(|p| p.strip_prefix(&format!("{name}=")))
+        .unwrap_or_else(|| panic!("no {name} in AMBER_TEST_S3_ENDPOINTS={all}"))
+        .to_string()
+}
+
+/// Flags that put a registry on the S3 server `name`, under a prefix of its own.
+pub fn s3_args(name: &str, prefix: &str) -> Vec<String> {
+    vec![
+        "--storage".into(),
+        "s3".into(),
+        "--s3-endpoint".into(),
+        s3_endpoint(name),
+        "--s3-bucket".into(),
+        std::env::var("AMBER_TEST_S3_BUCKET").unwrap_or_else(|_| "amber-test".into()),
+        "--s3-prefix".into(),
+        prefix.into(),
+        "--s3-access-key-id".into(),
+        "amber".into(),
+        "--s3-secret-access-key".into(),
+        "amber-secret".into(),
+    ]
+}
+
 impl Server {
+    /// A registry on a fresh data directory (index) and, for S3, a fresh bucket prefix.
+    pub fn start_on(storage: Storage, extra: &[&str]) -> Server {
+        match storage {
+            Storage::Fs => Server::start(extra),
+            Storage::S3 => {
+                let prefix = format!("test-{}/", uuid::Uuid::new_v4());
+                let mut args = s3_args("moto", &prefix);
+                args.extend(extra.iter().map(|s| s.to_string()));
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                Server::start(&args)
+            }
+        }
+    }
+
     /// A registry on a fresh data directory.
     pub fn start(extra: &[&str]) -> Server {
         let tmp = tempfile::tempdir().expect("temp dir");
