@@ -15,7 +15,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use std::io::{Read, Seek, Write};
 
-use super::{ByteStream, ObjectKey, ObjectStore, Observer, StoreError};
+use super::{ByteStream, ObjectKey, ObjectStore, Observer, RecordKey, StoreError, Version};
 
 /// Size of the reads that feed a download. Above glibc's fixed mmap threshold (main.rs),
 /// so each buffer is returned to the kernel when sent: measured, 64 KiB buffers from the
@@ -69,6 +69,49 @@ fn stream_file(mut file: std::fs::File, len: u64) -> ByteStream {
 
 pub struct FsStore {
     root: PathBuf,
+    /// Serialises record writes (compare-and-swap).
+    records: tokio::sync::Mutex<()>,
+}
+
+/// A record's version: the sha256 of its bytes.
+fn record_version(v: &[u8]) -> Version {
+    use sha2::Digest as _;
+    Version(hex::encode(sha2::Sha256::digest(v)))
+}
+
+/// Every file under `root` whose path relative to `root` starts with `prefix`, sorted.
+async fn walk(root: PathBuf, prefix: String) -> Result<Vec<String>, StoreError> {
+    tokio::task::spawn_blocking(move || {
+        let top = match prefix.rfind('/') {
+            Some(i) => root.join(&prefix[..i]),
+            None => root.clone(),
+        };
+        let mut out = Vec::new();
+        let mut stack = vec![top];
+        while let Some(dir) = stack.pop() {
+            let rd = match std::fs::read_dir(&dir) {
+                Ok(rd) => rd,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(StoreError::io(dir.display().to_string(), e)),
+            };
+            for e in rd {
+                let e = e.map_err(|e| StoreError::io(dir.display().to_string(), e))?;
+                let p = e.path();
+                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    stack.push(p);
+                } else if let Ok(rel) = p.strip_prefix(&root) {
+                    let rel = rel.to_string_lossy().to_string();
+                    if rel.starts_with(&prefix) {
+                        out.push(rel);
+                    }
+                }
+            }
+        }
+        out.sort();
+        Ok(out)
+    })
+    .await
+    .expect("list task")
 }
 
 impl FsStore {
@@ -79,7 +122,10 @@ impl FsStore {
             let p = root.join(d);
             std::fs::create_dir_all(&p).map_err(|e| StoreError::io(p.display().to_string(), e))?;
         }
-        Ok(FsStore { root })
+        Ok(FsStore {
+            root,
+            records: tokio::sync::Mutex::new(()),
+        })
     }
 
     fn path(&self, key: &ObjectKey) -> PathBuf {
@@ -325,39 +371,73 @@ impl ObjectStore for FsStore {
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectKey>, StoreError> {
-        let root = self.root.clone();
-        let prefix = prefix.to_string();
-        tokio::task::spawn_blocking(move || {
-            let mut out = Vec::new();
-            let top = prefix.split('/').next().unwrap_or("");
-            if top.is_empty() || top.starts_with('_') || top.contains("..") {
-                return Ok(Vec::new());
+        let top = prefix.split('/').next().unwrap_or("");
+        if top.is_empty() || top.starts_with('_') || top.contains("..") {
+            return Ok(Vec::new());
+        }
+        Ok(walk(self.root.clone(), prefix.to_string())
+            .await?
+            .into_iter()
+            .map(ObjectKey)
+            .collect())
+    }
+
+    async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError> {
+        match tokio::fs::read(self.root.join(key.as_str())).await {
+            Ok(v) => {
+                let version = record_version(&v);
+                Ok(Some((Bytes::from(v), version)))
             }
-            let mut stack = vec![root.join(top)];
-            while let Some(dir) = stack.pop() {
-                let rd = match std::fs::read_dir(&dir) {
-                    Ok(rd) => rd,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                    Err(e) => return Err(StoreError::io(dir.display().to_string(), e)),
-                };
-                for e in rd {
-                    let e = e.map_err(|e| StoreError::io(dir.display().to_string(), e))?;
-                    let p = e.path();
-                    if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                        stack.push(p);
-                    } else if let Ok(rel) = p.strip_prefix(&root) {
-                        let rel = rel.to_string_lossy().to_string();
-                        if rel.starts_with(&prefix) {
-                            out.push(ObjectKey(rel));
-                        }
-                    }
-                }
-            }
-            out.sort_by(|a, b| a.0.cmp(&b.0));
-            Ok(out)
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::io(key.as_str().to_string(), e)),
+        }
+    }
+
+    async fn put_record(
+        &self,
+        key: &RecordKey,
+        value: Bytes,
+        expected: Option<&Version>,
+    ) -> Result<Option<Version>, StoreError> {
+        // One writer at a time makes read-compare-rename a compare-and-swap (one process
+        // owns an fs store).
+        let _guard = self.records.lock().await;
+        let current = self.get_record(key).await?.map(|(_, v)| v);
+        if current.as_ref() != expected {
+            return Ok(None);
+        }
+        let dst = self.root.join(key.as_str());
+        let tmp = self
+            .root
+            .join("_tmp")
+            .join(uuid::Uuid::new_v4().to_string());
+        let version = record_version(&value);
+        let what = key.as_str().to_string();
+        tokio::task::spawn_blocking(move || -> io::Result<()> {
+            use std::io::Write;
+            let dir = dst.parent().expect("records have a parent");
+            std::fs::create_dir_all(dir)?;
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&value)?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, &dst)?;
+            std::fs::File::open(dir)?.sync_all()
         })
         .await
-        .expect("list task")
+        .expect("record task")
+        .map_err(|e| StoreError::io(what, e))?;
+        Ok(Some(version))
+    }
+
+    async fn list_records(&self, prefix: &str) -> Result<Vec<RecordKey>, StoreError> {
+        if !prefix.starts_with(RecordKey::ALL) || prefix.contains("..") {
+            return Ok(Vec::new());
+        }
+        Ok(walk(self.root.clone(), prefix.to_string())
+            .await?
+            .iter()
+            .filter_map(|k| RecordKey::parse(k))
+            .collect())
     }
 }
 

@@ -10,6 +10,11 @@
 //! - staged objects (upload sessions), named by a session id. They are appended to,
 //!   truncated back to the last acknowledged length after a crash, and either published
 //!   under a key or removed.
+//! - records: small named values describing repositories (which manifests and blobs
+//!   each holds, where each tag points, how each image converted). They are the durable
+//!   truth that the RocksDB index caches, so every replica over one bucket sees the same
+//!   repositories and `reindex` can rebuild an index from the store alone. A record is
+//!   written with compare-and-swap on its [`Version`]: create-only, or replace-if-unchanged.
 
 pub mod fs;
 pub mod s3;
@@ -61,6 +66,51 @@ impl ObjectKey {
         &self.0
     }
 }
+
+/// The name of a record. Only built from validated repository names, digests and tags.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RecordKey(String);
+
+impl RecordKey {
+    /// Repository `repo` holds manifest `digest`.
+    pub fn manifest(repo: &crate::names::RepoName, digest: &Digest) -> RecordKey {
+        RecordKey(format!("_records/repos/{repo}/_manifests/{digest}"))
+    }
+
+    /// Repository `repo` holds blob `digest`.
+    pub fn blob(repo: &crate::names::RepoName, digest: &Digest) -> RecordKey {
+        RecordKey(format!("_records/repos/{repo}/_blobs/{digest}"))
+    }
+
+    /// Tag `tag` of `repo` (a mutable pointer to a manifest digest).
+    pub fn tag(repo: &crate::names::RepoName, tag: &crate::names::Tag) -> RecordKey {
+        RecordKey(format!("_records/repos/{repo}/_tags/{}", tag.as_str()))
+    }
+
+    /// How image `image` converted.
+    pub fn conversion(image: &Digest) -> RecordKey {
+        RecordKey(format!("_records/conversions/{image}"))
+    }
+
+    /// The prefix of every record.
+    pub const ALL: &'static str = "_records/";
+
+    /// A key listed by [`ObjectStore::list_records`]; `None` if it is not a record name.
+    pub fn parse(s: &str) -> Option<RecordKey> {
+        let rest = s.strip_prefix(Self::ALL)?;
+        (!rest.split('/').any(|p| p.is_empty() || p == "." || p == ".."))
+            .then(|| RecordKey(s.to_string()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The version of a record as its store sees it (an ETag, or a content hash); compared
+/// only for equality.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Version(pub String);
 
 /// Errors of a store backend, with the object they concern.
 #[derive(Debug, thiserror::Error)]
@@ -150,4 +200,21 @@ pub trait ObjectStore: Send + Sync + 'static {
 
     /// Keys of every published object starting with `prefix` (for fsck and reindex).
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectKey>, StoreError>;
+
+    /// A record's value and version, or `None` when it does not exist.
+    async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError>;
+
+    /// Writes a record if it is unchanged: `expected` `None` creates it only if it does not
+    /// exist; `Some(v)` replaces it only if its version is still `v`. Returns the new
+    /// version, or `None` when the condition failed (someone else wrote first). Durable
+    /// and atomic: readers see the old value or the new one.
+    async fn put_record(
+        &self,
+        key: &RecordKey,
+        value: Bytes,
+        expected: Option<&Version>,
+    ) -> Result<Option<Version>, StoreError>;
+
+    /// Every record whose key starts with `prefix` (itself starting with `_records/`).
+    async fn list_records(&self, prefix: &str) -> Result<Vec<RecordKey>, StoreError>;
 }

@@ -31,7 +31,7 @@ use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 
-use super::{ByteStream, ObjectKey, ObjectStore, Observer, StoreError};
+use super::{ByteStream, ObjectKey, ObjectStore, Observer, RecordKey, StoreError, Version};
 
 /// Bytes per multipart part (S3's minimum is 5 MiB, except for the last part).
 const PART_BYTES: usize = 8 << 20;
@@ -653,12 +653,77 @@ impl ObjectStore for S3Store {
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectKey>, StoreError> {
+        // Staged objects and records are not published objects.
+        if prefix.is_empty() || prefix.starts_with('_') {
+            return Ok(Vec::new());
+        }
         let full = format!("{}{prefix}", self.prefix);
         Ok(self
             .list_keys(&full)
             .await?
             .into_iter()
             .map(|(k, _)| ObjectKey(k[self.prefix.len()..].to_string()))
+            .collect())
+    }
+
+    async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError> {
+        let k = format!("{}{}", self.prefix, key.as_str());
+        let r = match self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(&k)
+            .send()
+            .await
+        {
+            Ok(r) => r,
+            Err(e) if status(&e) == Some(404) => return Ok(None),
+            Err(e) => return Err(io_err(format!("reading record {k}"), e)),
+        };
+        let version = Version(r.e_tag().unwrap_or_default().to_string());
+        let data = r
+            .body
+            .collect()
+            .await
+            .map_err(|e| StoreError::io(format!("reading {k}"), body_err(&k, e)))?;
+        Ok(Some((data.into_bytes(), version)))
+    }
+
+    async fn put_record(
+        &self,
+        key: &RecordKey,
+        value: Bytes,
+        expected: Option<&Version>,
+    ) -> Result<Option<Version>, StoreError> {
+        let k = format!("{}{}", self.prefix, key.as_str());
+        let mut req = self
+            .client
+            .put_object()
+            .bucket(&self.bucket)
+            .key(&k)
+            .body(SdkStream::from(value));
+        req = match expected {
+            None => req.if_none_match("*"),
+            Some(v) => req.if_match(&v.0),
+        };
+        match req.send().await {
+            Ok(r) => Ok(Some(Version(r.e_tag().unwrap_or_default().to_string()))),
+            // 412: the condition failed; 409: a concurrent conditional write won the race.
+            Err(e) if matches!(status(&e), Some(412) | Some(409)) => Ok(None),
+            Err(e) => Err(io_err(format!("writing record {k}"), e)),
+        }
+    }
+
+    async fn list_records(&self, prefix: &str) -> Result<Vec<RecordKey>, StoreError> {
+        if !prefix.starts_with(RecordKey::ALL) {
+            return Ok(Vec::new());
+        }
+        let full = format!("{}{prefix}", self.prefix);
+        Ok(self
+            .list_keys(&full)
+            .await?
+            .into_iter()
+            .filter_map(|(k, _)| RecordKey::parse(&k[self.prefix.len()..]))
             .collect())
     }
 }

@@ -26,6 +26,50 @@ pub async fn run(store: &dyn ObjectStore) {
     staged_lifecycle(store).await;
     staged_offset_is_checked(store).await;
     concurrent_publish_of_same_content(store).await;
+    records_are_compare_and_swap(store).await;
+}
+
+async fn records_are_compare_and_swap(store: &dyn ObjectStore) {
+    use super::RecordKey;
+    let repo = crate::names::RepoName::parse("suite/app").unwrap();
+    let tag = crate::names::Tag::parse("latest").unwrap();
+    let key = RecordKey::tag(&repo, &tag);
+    assert!(store.get_record(&key).await.unwrap().is_none());
+    let v1 = store
+        .put_record(&key, Bytes::from_static(b"one"), None)
+        .await
+        .unwrap()
+        .expect("created");
+    // Create-only fails once it exists.
+    assert!(store
+        .put_record(&key, Bytes::from_static(b"two"), None)
+        .await
+        .unwrap()
+        .is_none());
+    let v2 = store
+        .put_record(&key, Bytes::from_static(b"two"), Some(&v1))
+        .await
+        .unwrap()
+        .expect("swapped");
+    // A stale version loses.
+    assert!(store
+        .put_record(&key, Bytes::from_static(b"three"), Some(&v1))
+        .await
+        .unwrap()
+        .is_none());
+    let (value, v) = store.get_record(&key).await.unwrap().unwrap();
+    assert_eq!((&value[..], &v), (&b"two"[..], &v2));
+    let d = Digest::of(Algorithm::Sha256, b"m");
+    store
+        .put_record(&RecordKey::manifest(&repo, &d), Bytes::from_static(b"{}"), None)
+        .await
+        .unwrap()
+        .unwrap();
+    let listed = store.list_records("_records/repos/suite/app/").await.unwrap();
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert!(listed.contains(&key));
+    // Records are not published objects.
+    assert!(store.list("_records/").await.unwrap().is_empty());
 }
 
 async fn put_is_create_once(store: &dyn ObjectStore) {
