@@ -149,6 +149,9 @@ fn spawn(reg: Arc<Registry>, image: Digest) {
                 c.env_digest = Some(env.clone());
                 c.error = None;
                 c.updated_unix = now_unix();
+                if let Err(e) = reg.record_conversion(&image, &c).await {
+                    tracing::error!(%image, error = %e, "recording conversion in the store");
+                }
                 match reg.index.finish_conversion(&image, &env, &c) {
                     Ok(_) => tracing::info!(%image, %env, "conversion done"),
                     Err(e) => tracing::error!(%image, error = %e, "recording conversion"),
@@ -160,6 +163,9 @@ fn spawn(reg: Arc<Registry>, image: Digest) {
                 c.state = ConversionState::Failed;
                 c.error = Some(format!("{e:#}"));
                 c.updated_unix = now_unix();
+                if let Err(e) = reg.record_conversion(&image, &c).await {
+                    tracing::error!(%image, error = %e, "recording conversion in the store");
+                }
                 let _ = reg.index.put_conversion(&image, &c);
             }
         }
@@ -180,20 +186,28 @@ fn object_reader(
     ))
 }
 
-/// Stores one chunk, zstd-compressed, unless the index says the store has it.
+/// Stores one chunk, zstd-compressed, unless the store has it. The index answers for
+/// chunks this replica has seen; for others one existence check (a HEAD on S3) decides,
+/// so a chunk that exists costs no write and a new one two requests.
 fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io::Result<()> {
     let name = id.to_string();
     if reg.index.chunk(&name).map_err(io::Error::other)?.is_some() {
         metrics::counter!(CHUNKS_EXISTING).increment(1);
         return Ok(());
     }
+    let key = ObjectKey::chunk(&id);
+    if let Some(size) = handle
+        .block_on(reg.store.stat(&key))
+        .map_err(io::Error::other)?
+    {
+        reg.index.put_chunk(&name, size).map_err(io::Error::other)?;
+        metrics::counter!(CHUNKS_EXISTING).increment(1);
+        return Ok(());
+    }
     let compressed = zstd::bulk::compress(data, 3)?;
     let size = compressed.len() as u64;
     handle
-        .block_on(
-            reg.store
-                .put(&ObjectKey::chunk(&id), Bytes::from(compressed)),
-        )
+        .block_on(reg.store.put(&key, Bytes::from(compressed)))
         .map_err(io::Error::other)?;
     reg.index.put_chunk(&name, size).map_err(io::Error::other)?;
     metrics::counter!(CHUNKS_WRITTEN).increment(1);
@@ -283,7 +297,7 @@ fn publish_referrer(
         let d = Digest::of(Algorithm::Sha256, &data);
         let n = data.len() as u64;
         handle.block_on(reg.store.put(&ObjectKey::blob(&d), data))?;
-        reg.index.put_blob(repo, &d, n)?;
+        handle.block_on(reg.link_blob(repo, &d, n))?;
         Ok((d, n))
     };
     let (env_blob, env_size) = put_blob(envelope.clone())?;
@@ -310,7 +324,7 @@ fn publish_referrer(
         "artifactType": BLOCK_MANIFEST_TYPE,
         "annotations": {ENV_ANNOTATION: env},
     });
-    reg.index.put_manifest(ManifestWrite {
+    handle.block_on(reg.link_manifest(ManifestWrite {
         repo,
         digest: &digest,
         record: ManifestRecord {
@@ -320,6 +334,6 @@ fn publish_referrer(
         tag: None,
         tag_immutable: false,
         referrer: Some((image, descriptor)),
-    })?;
+    }))?;
     Ok(())
 }

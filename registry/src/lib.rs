@@ -3,7 +3,8 @@
 //!
 //! Modules: `digest` and `names` (validated identifiers), `store` (object store trait
 //! and backends), `index` (RocksDB metadata), `registry` (shared state, upload recovery
-//! and expiry), `api` (HTTP handlers), `config`, `metrics`, `error`, `fsck`, `server`.
+//! and expiry), `records` (repository records: the store's truth that the index caches),
+//! `api` (HTTP handlers), `config`, `metrics`, `error`, `fsck`, `reindex`, `server`.
 
 pub mod api;
 pub mod config;
@@ -14,6 +15,8 @@ pub mod fsck;
 pub mod index;
 pub mod metrics;
 pub mod names;
+pub mod records;
 pub mod registry;
+pub mod reindex;
 pub mod server;
 pub mod store;

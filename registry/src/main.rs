@@ -21,6 +21,8 @@ enum Command {
     Serve(ConfigArgs),
     /// Verify every stored object's hash and the index against the store; changes nothing.
     Fsck(ConfigArgs),
+    /// Rebuild the index from the object store alone (new replica, lost index).
+    Reindex(ConfigArgs),
 }
 
 fn init_logs() {
@@ -78,6 +80,14 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
                 .map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
             let reg = amber_registry::server::open(config).await?;
             amber_registry::server::serve(reg, listener).await?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::Reindex(args) => {
+            let s = amber_registry::reindex::reindex(args.resolve()?).await?;
+            println!(
+                "reindexed {} manifests, {} blobs, {} tags, {} conversions, {} chunks",
+                s.manifests, s.blobs, s.tags, s.conversions, s.chunks
+            );
             Ok(std::process::ExitCode::SUCCESS)
         }
         Command::Fsck(args) => {

@@ -19,7 +19,13 @@ pub async fn open(config: Config) -> anyhow::Result<Arc<Registry>> {
     let index_dir = config.data.join("index");
     let index = Index::open(&index_dir)
         .with_context(|| format!("opening index at {}", index_dir.display()))?;
-    let store: Arc<dyn ObjectStore> = match config.storage {
+    let store = open_store(&config).await?;
+    Ok(Arc::new(Registry::new(config, index, store)))
+}
+
+/// Opens the configured object store.
+pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn ObjectStore>> {
+    Ok(match config.storage {
         StorageKind::Fs => {
             let root = config.data.join("store");
             Arc::new(
@@ -37,8 +43,7 @@ pub async fn open(config: Config) -> anyhow::Result<Arc<Registry>> {
                     })?,
             )
         }
-    };
-    Ok(Arc::new(Registry::new(config, index, store)))
+    })
 }
 
 /// Serves on `listener` until SIGINT or SIGTERM. Prints `listening on <addr>` first.

@@ -61,13 +61,13 @@ async fn resolve(reg: &AppState, name: RepoName, r: Reference) -> ApiResult<Resp
     let digest = match &r {
         Reference::Digest(d) => d.clone(),
         Reference::Tag(t) => reg
-            .index
-            .tag(&name, t)?
+            .tag(&name, t)
+            .await?
             .ok_or_else(|| ApiError::manifest_unknown(format!("{name}:{t}")))?,
     };
     let rec = reg
-        .index
-        .manifest(&name, &digest)?
+        .manifest(&name, &digest)
+        .await?
         .ok_or_else(|| ApiError::manifest_unknown(format!("{name}@{digest}")))?;
     // An index resolves to its linux/amd64 image.
     let mut image = digest.clone();
@@ -85,8 +85,9 @@ async fn resolve(reg: &AppState, name: RepoName, r: Reference) -> ApiResult<Resp
                 )
             })?;
     }
+    // Another replica may have converted it: the store's record fills the index.
+    let conv = reg.conversion(&image).await?;
     let env = reg.index.image_env(&image)?;
-    let conv = reg.index.conversion(&image)?;
     let state = match (&env, &conv) {
         (Some(_), _) => "done".to_string(),
         (None, Some(c)) => serde_json::to_value(c.state)

@@ -117,8 +117,8 @@ pub async fn get(
     head: bool,
 ) -> ApiResult<Response> {
     let size = reg
-        .index
-        .repo_blob(&name, &digest)?
+        .repo_blob(&name, &digest)
+        .await?
         .ok_or_else(|| ApiError::blob_unknown(&digest))?;
     serve_object(
         reg,

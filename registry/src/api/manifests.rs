@@ -178,8 +178,8 @@ async fn resolve(reg: &AppState, name: &RepoName, r: &Reference) -> ApiResult<Di
     match r {
         Reference::Digest(d) => Ok(d.clone()),
         Reference::Tag(t) => reg
-            .index
-            .tag(name, t)?
+            .tag(name, t)
+            .await?
             .ok_or_else(|| ApiError::manifest_unknown(format!("{name}:{t}"))),
     }
 }
@@ -187,8 +187,8 @@ async fn resolve(reg: &AppState, name: &RepoName, r: &Reference) -> ApiResult<Di
 pub async fn get(reg: &AppState, name: RepoName, r: Reference, head: bool) -> ApiResult<Response> {
     let digest = resolve(reg, &name, &r).await?;
     let rec = reg
-        .index
-        .manifest(&name, &digest)?
+        .manifest(&name, &digest)
+        .await?
         .ok_or_else(|| ApiError::manifest_unknown(format!("{name}@{digest}")))?;
     let builder = Response::builder()
         .status(StatusCode::OK)
@@ -251,7 +251,7 @@ pub async fn put(
         Reference::Tag(_) => Digest::of(Algorithm::Sha256, &bytes),
     };
     for b in &parsed.blobs {
-        match reg.index.repo_blob(&name, &b.digest)? {
+        match reg.repo_blob(&name, &b.digest).await? {
             Some(size) if size != b.size => {
                 return Err(ApiError::manifest_invalid(format!(
                     "the manifest gives blob {} a size of {} bytes but it has {size}",
@@ -273,7 +273,7 @@ pub async fn put(
         }
     }
     for c in &parsed.children {
-        if reg.index.manifest(&name, &c.digest)?.is_none() {
+        if reg.manifest(&name, &c.digest).await?.is_none() {
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
                 "MANIFEST_BLOB_UNKNOWN",
@@ -305,7 +305,7 @@ pub async fn put(
         }
         (&s.digest, d)
     });
-    reg.index.put_manifest(ManifestWrite {
+    reg.link_manifest(ManifestWrite {
         repo: &name,
         digest: &digest,
         record: ManifestRecord {
@@ -315,7 +315,8 @@ pub async fn put(
         tag,
         tag_immutable: reg.config.tags_immutable(name.as_str()),
         referrer,
-    })?;
+    })
+    .await?;
     tracing::info!(repo = %name, reference = %r, %digest, media_type = %parsed.media_type, "manifest pushed");
     crate::convert::on_manifest_pushed(reg, &name, &digest, &parsed);
     let mut resp = (

@@ -90,8 +90,8 @@ pub async fn start(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Re
             .map_err(|e: crate::digest::DigestError| ApiError::digest_invalid(e.to_string()))?;
         if let Some(from) = param(&q, "from") {
             let from = RepoName::parse(from)?;
-            if let Some(size) = reg.index.repo_blob(&from, &digest)? {
-                reg.index.put_blob(&name, &digest, size)?;
+            if let Some(size) = reg.repo_blob(&from, &digest).await? {
+                reg.link_blob(&name, &digest, size).await?;
                 return Ok(created(&name, &digest));
             }
         }
@@ -314,7 +314,7 @@ async fn complete(
     reg.store
         .publish_staged(id, &ObjectKey::blob(&digest))
         .await?;
-    reg.index.put_blob(name, &digest, s.offset)?;
+    reg.link_blob(name, &digest, s.offset).await?;
     reg.index.delete_upload(id)?;
     reg.forget_session(id);
     Ok(created(name, &digest))

@@ -98,8 +98,10 @@ impl RecordKey {
     /// A key listed by [`ObjectStore::list_records`]; `None` if it is not a record name.
     pub fn parse(s: &str) -> Option<RecordKey> {
         let rest = s.strip_prefix(Self::ALL)?;
-        (!rest.split('/').any(|p| p.is_empty() || p == "." || p == ".."))
-            .then(|| RecordKey(s.to_string()))
+        (!rest
+            .split('/')
+            .any(|p| p.is_empty() || p == "." || p == ".."))
+        .then(|| RecordKey(s.to_string()))
     }
 
     pub fn as_str(&self) -> &str {

@@ -61,11 +61,18 @@ async fn records_are_compare_and_swap(store: &dyn ObjectStore) {
     assert_eq!((&value[..], &v), (&b"two"[..], &v2));
     let d = Digest::of(Algorithm::Sha256, b"m");
     store
-        .put_record(&RecordKey::manifest(&repo, &d), Bytes::from_static(b"{}"), None)
+        .put_record(
+            &RecordKey::manifest(&repo, &d),
+            Bytes::from_static(b"{}"),
+            None,
+        )
         .await
         .unwrap()
         .unwrap();
-    let listed = store.list_records("_records/repos/suite/app/").await.unwrap();
+    let listed = store
+        .list_records("_records/repos/suite/app/")
+        .await
+        .unwrap();
     assert_eq!(listed.len(), 2, "{listed:?}");
     assert!(listed.contains(&key));
     // Records are not published objects.

@@ -1,0 +1,287 @@
+//! Repository records: which manifests and blobs each repository holds, where its tags
+//! point and how its images converted. Their durable truth is the object store's records
+//! (store/mod.rs); the RocksDB index caches them.
+//!
+//! Invariants kept here:
+//! - every write goes to the store first, then to the index: a crash in between leaves
+//!   the index behind the store, never ahead of it;
+//! - reads try the index and fall back to the store, filling the index: a push through
+//!   one replica is visible through every other replica over the same bucket at once;
+//! - tags are always read from the store (the index copy only serves listings) and moved
+//!   with compare-and-swap, so tag moves are linearizable across replicas;
+//! - `reindex` rebuilds an index from the store's records alone.
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::digest::Digest;
+use crate::index::{Conversion, IndexError, ManifestRecord, ManifestWrite};
+use crate::names::{RepoName, Tag};
+use crate::registry::Registry;
+use crate::store::{RecordKey, StoreError};
+
+/// Attempts at moving a tag before a push is refused as contended (each attempt loses
+/// only to a push that moved the tag meanwhile).
+const TAG_ATTEMPTS: usize = 64;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Index(#[from] IndexError),
+    #[error("tag {repo}:{tag} is moved by other pushes so often that this one gave up after {TAG_ATTEMPTS} attempts; retry")]
+    Contended { repo: String, tag: String },
+    #[error("record {key} is not valid: {why}")]
+    Corrupt { key: String, why: String },
+}
+
+/// The record of a manifest in a repository.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ManifestLink {
+    pub media_type: String,
+    pub size: u64,
+    /// (subject digest, this manifest's descriptor) when the manifest has a subject.
+    #[serde(default)]
+    pub referrer: Option<(String, Value)>,
+}
+
+fn corrupt(key: &RecordKey, why: impl std::fmt::Display) -> RecordError {
+    RecordError::Corrupt {
+        key: key.as_str().to_string(),
+        why: why.to_string(),
+    }
+}
+
+impl Registry {
+    /// Records that `repo` holds blob `digest` of `size` bytes (already in the store).
+    pub async fn link_blob(
+        &self,
+        repo: &RepoName,
+        digest: &Digest,
+        size: u64,
+    ) -> Result<(), RecordError> {
+        if self.index.repo_blob(repo, digest)? != Some(size) {
+            let key = RecordKey::blob(repo, digest);
+            // Create-once: when it exists already it says the same.
+            self.store
+                .put_record(&key, Bytes::from(size.to_string()), None)
+                .await?;
+        }
+        self.index.put_blob(repo, digest, size)?;
+        Ok(())
+    }
+
+    /// The size of blob `digest` if `repo` holds it.
+    pub async fn repo_blob(
+        &self,
+        repo: &RepoName,
+        digest: &Digest,
+    ) -> Result<Option<u64>, RecordError> {
+        if let Some(size) = self.index.repo_blob(repo, digest)? {
+            return Ok(Some(size));
+        }
+        let key = RecordKey::blob(repo, digest);
+        let Some((v, _)) = self.store.get_record(&key).await? else {
+            return Ok(None);
+        };
+        let size: u64 = std::str::from_utf8(&v)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| corrupt(&key, "not a size"))?;
+        self.index.put_blob(repo, digest, size)?;
+        Ok(Some(size))
+    }
+
+    /// Records a pushed manifest (already in the store) and moves its tag, if any.
+    pub async fn link_manifest(&self, w: ManifestWrite<'_>) -> Result<(), RecordError> {
+        let link = ManifestLink {
+            media_type: w.record.media_type.clone(),
+            size: w.record.size,
+            referrer: w.referrer.as_ref().map(|(s, d)| (s.to_string(), d.clone())),
+        };
+        let key = RecordKey::manifest(w.repo, w.digest);
+        if self.index.manifest(w.repo, w.digest)?.is_none() {
+            self.store
+                .put_record(
+                    &key,
+                    Bytes::from(serde_json::to_vec(&link).expect("json")),
+                    None,
+                )
+                .await?;
+        }
+        if let Some(tag) = w.tag {
+            self.move_tag(w.repo, tag, w.digest, w.tag_immutable)
+                .await?;
+        }
+        // The store decided the tag; the index only caches it.
+        self.index.put_manifest(ManifestWrite {
+            tag_immutable: false,
+            ..w
+        })?;
+        Ok(())
+    }
+
+    /// Points `tag` at `digest` with compare-and-swap; an immutable tag only ever gets its
+    /// first digest.
+    async fn move_tag(
+        &self,
+        repo: &RepoName,
+        tag: &Tag,
+        digest: &Digest,
+        immutable: bool,
+    ) -> Result<(), RecordError> {
+        let key = RecordKey::tag(repo, tag);
+        let value = Bytes::from(digest.to_string());
+        for _ in 0..TAG_ATTEMPTS {
+            let current = self.store.get_record(&key).await?;
+            let expected = match &current {
+                Some((v, _)) if *v == value => return Ok(()),
+                Some((v, _)) if immutable => {
+                    return Err(IndexError::TagImmutable {
+                        repo: repo.to_string(),
+                        tag: tag.as_str().to_string(),
+                        current: String::from_utf8_lossy(v).into_owned(),
+                    }
+                    .into())
+                }
+                Some((_, version)) => Some(version),
+                None => None,
+            };
+            if self
+                .store
+                .put_record(&key, value.clone(), expected)
+                .await?
+                .is_some()
+            {
+                return Ok(());
+            }
+        }
+        Err(RecordError::Contended {
+            repo: repo.to_string(),
+            tag: tag.as_str().to_string(),
+        })
+    }
+
+    /// Where `tag` points now (read from the store: linearizable across replicas).
+    pub async fn tag(&self, repo: &RepoName, tag: &Tag) -> Result<Option<Digest>, RecordError> {
+        let key = RecordKey::tag(repo, tag);
+        match self.store.get_record(&key).await? {
+            Some((v, _)) => Ok(Some(
+                std::str::from_utf8(&v)
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| corrupt(&key, "not a digest"))?,
+            )),
+            // Data written before records existed has its tags in the index only.
+            None => Ok(self.index.tag(repo, tag)?),
+        }
+    }
+
+    /// What `repo` holds of manifest `digest`.
+    pub async fn manifest(
+        &self,
+        repo: &RepoName,
+        digest: &Digest,
+    ) -> Result<Option<ManifestRecord>, RecordError> {
+        if let Some(r) = self.index.manifest(repo, digest)? {
+            return Ok(Some(r));
+        }
+        let key = RecordKey::manifest(repo, digest);
+        let Some((v, _)) = self.store.get_record(&key).await? else {
+            return Ok(None);
+        };
+        let link: ManifestLink = serde_json::from_slice(&v).map_err(|e| corrupt(&key, e))?;
+        self.cache_manifest(repo, digest, &link)?;
+        Ok(Some(ManifestRecord {
+            media_type: link.media_type,
+            size: link.size,
+        }))
+    }
+
+    /// Puts a manifest record into the index (no tag).
+    pub fn cache_manifest(
+        &self,
+        repo: &RepoName,
+        digest: &Digest,
+        link: &ManifestLink,
+    ) -> Result<(), RecordError> {
+        let subject = match &link.referrer {
+            Some((s, d)) => Some((
+                s.parse::<Digest>()
+                    .map_err(|e| corrupt(&RecordKey::manifest(repo, digest), e))?,
+                d.clone(),
+            )),
+            None => None,
+        };
+        self.index.put_manifest(ManifestWrite {
+            repo,
+            digest,
+            record: ManifestRecord {
+                media_type: link.media_type.clone(),
+                size: link.size,
+            },
+            tag: None,
+            tag_immutable: false,
+            referrer: subject.as_ref().map(|(s, d)| (s, d.clone())),
+        })?;
+        Ok(())
+    }
+
+    /// Records how an image's conversion ended (done or failed), for every replica and
+    /// for `reindex`. The first outcome recorded is kept.
+    pub async fn record_conversion(
+        &self,
+        image: &Digest,
+        c: &Conversion,
+    ) -> Result<(), RecordError> {
+        self.store
+            .put_record(
+                &RecordKey::conversion(image),
+                Bytes::from(serde_json::to_vec(c).expect("json")),
+                None,
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// How an image converted, from the index or else the store (filling the index).
+    pub async fn conversion(&self, image: &Digest) -> Result<Option<Conversion>, RecordError> {
+        if let Some(c) = self.index.conversion(image)? {
+            return Ok(Some(c));
+        }
+        let key = RecordKey::conversion(image);
+        let Some((v, _)) = self.store.get_record(&key).await? else {
+            return Ok(None);
+        };
+        let c: Conversion = serde_json::from_slice(&v).map_err(|e| corrupt(&key, e))?;
+        self.cache_conversion(image, &c)?;
+        Ok(Some(c))
+    }
+
+    fn cache_conversion(&self, image: &Digest, c: &Conversion) -> Result<(), RecordError> {
+        match &c.env_digest {
+            Some(env) if c.state == crate::index::ConversionState::Done => {
+                self.index.finish_conversion(image, env, c)?;
+            }
+            _ => self.index.put_conversion(image, c)?,
+        }
+        Ok(())
+    }
+}
+
+impl From<RecordError> for crate::error::ApiError {
+    fn from(e: RecordError) -> Self {
+        match e {
+            RecordError::Store(e) => e.into(),
+            RecordError::Index(e) => e.into(),
+            e @ RecordError::Contended { .. } => crate::error::ApiError::new(
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                "UNAVAILABLE",
+                e.to_string(),
+            ),
+            e @ RecordError::Corrupt { .. } => crate::error::ApiError::internal("records", e),
+        }
+    }
+}
