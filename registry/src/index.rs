@@ -180,6 +180,24 @@ impl Index {
         Ok(())
     }
 
+    /// Records that `repo` exists.
+    pub fn put_repo(&self, repo: &RepoName) -> Result<(), IndexError> {
+        self.db
+            .put_cf_opt(self.cf("repos"), repo.as_str(), b"{}", &synced())?;
+        Ok(())
+    }
+
+    /// Points `tag` of `repo` at `digest` (a cache of the store's tag record).
+    pub fn put_tag(&self, repo: &RepoName, tag: &Tag, digest: &Digest) -> Result<(), IndexError> {
+        self.db.put_cf_opt(
+            self.cf("tags"),
+            key2(repo.as_str(), tag.as_str()),
+            digest.to_string().as_bytes(),
+            &synced(),
+        )?;
+        Ok(())
+    }
+
     /// The size of a published blob, if the registry has it in any repository.
     pub fn blob_size(&self, digest: &Digest) -> Result<Option<u64>, IndexError> {
         Ok(self

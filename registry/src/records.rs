@@ -63,6 +63,7 @@ impl Registry {
         size: u64,
     ) -> Result<(), RecordError> {
         if self.index.repo_blob(repo, digest)? != Some(size) {
+            self.link_repo(repo).await?;
             let key = RecordKey::blob(repo, digest);
             // Create-once: when it exists already it says the same.
             self.store
@@ -103,6 +104,16 @@ impl Registry {
         };
         let key = RecordKey::manifest(w.repo, w.digest);
         if self.index.manifest(w.repo, w.digest)?.is_none() {
+            self.link_repo(w.repo).await?;
+            if let Some((subject, _)) = &w.referrer {
+                self.store
+                    .put_record(
+                        &RecordKey::referrer(w.repo, subject, w.digest),
+                        Bytes::new(),
+                        None,
+                    )
+                    .await?;
+            }
             self.store
                 .put_record(
                     &key,
@@ -120,6 +131,87 @@ impl Registry {
             tag_immutable: false,
             ..w
         })?;
+        Ok(())
+    }
+
+    /// Records that `repo` exists, once.
+    async fn link_repo(&self, repo: &RepoName) -> Result<(), RecordError> {
+        if !self.index.repo_exists(repo)? {
+            self.store
+                .put_record(&RecordKey::repo(repo), Bytes::new(), None)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Whether other replicas may have written to the store behind this index's back
+    /// (a shared bucket). Listings then read the store's records first.
+    fn shared(&self) -> bool {
+        self.config.storage == crate::config::StorageKind::S3
+    }
+
+    /// Brings the index's list of repositories up to date with the store.
+    pub async fn refresh_catalog(&self) -> Result<(), RecordError> {
+        if !self.shared() {
+            return Ok(());
+        }
+        for key in self.store.list_records("_records/catalog/").await? {
+            if let Some(repo) = key
+                .as_str()
+                .strip_prefix("_records/catalog/")
+                .and_then(|r| RepoName::parse(r).ok())
+            {
+                if !self.index.repo_exists(&repo)? {
+                    self.index.put_repo(&repo)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings the index's tags of `repo` up to date with the store.
+    pub async fn refresh_tags(&self, repo: &RepoName) -> Result<(), RecordError> {
+        if !self.shared() {
+            return Ok(());
+        }
+        let prefix = format!("_records/repos/{repo}/_tags/");
+        for key in self.store.list_records(&prefix).await? {
+            let Some(tag) = key
+                .as_str()
+                .strip_prefix(&prefix)
+                .and_then(|t| Tag::parse(t).ok())
+            else {
+                continue;
+            };
+            if let Some(digest) = self.tag(repo, &tag).await? {
+                if self.manifest(repo, &digest).await?.is_some() {
+                    self.index.put_repo(repo)?;
+                    self.index.put_tag(repo, &tag, &digest)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Brings the index's referrers of `subject` in `repo` up to date with the store.
+    pub async fn refresh_referrers(
+        &self,
+        repo: &RepoName,
+        subject: &Digest,
+    ) -> Result<(), RecordError> {
+        if !self.shared() {
+            return Ok(());
+        }
+        let prefix = format!("_records/repos/{repo}/_referrers/{subject}/");
+        for key in self.store.list_records(&prefix).await? {
+            if let Some(d) = key
+                .as_str()
+                .strip_prefix(&prefix)
+                .and_then(|d| d.parse::<Digest>().ok())
+            {
+                self.manifest(repo, &d).await?;
+            }
+        }
         Ok(())
     }
 

@@ -30,10 +30,15 @@ enum Entry {
     Manifest(RepoName, Digest),
     Blob(RepoName, Digest),
     Tag(RepoName, Tag),
+    /// Referrer records; the manifest records carry the same.
+    Referrer,
 }
 
 fn parse(key: &RecordKey) -> Option<Entry> {
     let rest = key.as_str().strip_prefix("_records/repos/")?;
+    if rest.contains("/_referrers/") {
+        return Some(Entry::Referrer);
+    }
     for (kind, sep) in [(0, "/_manifests/"), (1, "/_blobs/"), (2, "/_tags/")] {
         if let Some((repo, last)) = rest.split_once(sep) {
             let repo = RepoName::parse(repo).ok()?;
@@ -103,6 +108,7 @@ async fn fill(reg: &Registry) -> anyhow::Result<Summary> {
                 s.manifests += 1;
             }
             Entry::Tag(repo, tag) => tags.push((repo, tag)),
+            Entry::Referrer => {}
         }
     }
     // Tags last: their manifests are in the index by now.
@@ -123,6 +129,15 @@ async fn fill(reg: &Registry) -> anyhow::Result<Summary> {
             referrer: None,
         })?;
         s.tags += 1;
+    }
+    for key in reg.store.list_records("_records/catalog/").await? {
+        if let Some(repo) = key
+            .as_str()
+            .strip_prefix("_records/catalog/")
+            .and_then(|r| RepoName::parse(r).ok())
+        {
+            reg.index.put_repo(&repo)?;
+        }
     }
     for key in reg.store.list_records("_records/conversions/").await? {
         let Some(image) = key

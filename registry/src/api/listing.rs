@@ -1,5 +1,6 @@
 //! Listings served from the index: tags, `_catalog` (both paginated with `n` and `last`
-//! and a `Link` header) and referrers (with the `artifactType` filter).
+//! and a `Link` header) and referrers (with the `artifactType` filter). Over a shared
+//! bucket the index is first brought up to date from the store's records (records.rs).
 
 use axum::extract::Request;
 use axum::http::{header, StatusCode};
@@ -48,6 +49,7 @@ fn paged(path: &str, body: Value, items: &[String], more: bool, n: usize) -> Res
 
 pub async fn tags(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Response> {
     let (last, n) = page_params(&req)?;
+    reg.refresh_tags(&name).await?;
     if !reg.index.repo_exists(&name)? {
         return Err(ApiError::name_unknown(&name));
     }
@@ -64,6 +66,7 @@ pub async fn tags(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Res
 
 pub async fn catalog(reg: &AppState, req: Request) -> ApiResult<Response> {
     let (last, n) = page_params(&req)?;
+    reg.refresh_catalog().await?;
     let (repos, more) = reg.index.catalog(last.as_deref(), n)?;
     let body = json!({"repositories": repos});
     Ok(paged("/v2/_catalog", body, &repos, more, n))
@@ -77,6 +80,7 @@ pub async fn referrers(
 ) -> ApiResult<Response> {
     let q = query(&req);
     let filter = param(&q, "artifactType");
+    reg.refresh_referrers(&name, &subject).await?;
     let mut manifests = reg.index.referrers(&name, &subject)?;
     if let Some(f) = filter {
         manifests.retain(|d| d.get("artifactType").and_then(Value::as_str) == Some(f));

@@ -87,6 +87,16 @@ impl RecordKey {
         RecordKey(format!("_records/repos/{repo}/_tags/{}", tag.as_str()))
     }
 
+    /// Repository `repo` exists (for the catalog).
+    pub fn repo(repo: &crate::names::RepoName) -> RecordKey {
+        RecordKey(format!("_records/catalog/{repo}"))
+    }
+
+    /// Manifest `digest` of `repo` has subject `subject`.
+    pub fn referrer(repo: &crate::names::RepoName, subject: &Digest, digest: &Digest) -> RecordKey {
+        RecordKey(format!("_records/repos/{repo}/_referrers/{subject}/{digest}"))
+    }
+
     /// How image `image` converted.
     pub fn conversion(image: &Digest) -> RecordKey {
         RecordKey(format!("_records/conversions/{image}"))

@@ -1,0 +1,178 @@
+//! Two registry replicas, each with its own RocksDB index, over one S3 bucket (moto, which
+//! implements conditional writes): a push through one is pullable through the other at
+//! once; eight clients moving one tag through both end with one winner both report; a
+//! replica killed with SIGKILL mid-push loses nothing acknowledged; `reindex` rebuilds an
+//! index that answers every query as the old one did.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+
+const OCI: &str = "application/vnd.oci.image.manifest.v1+json";
+
+fn replica(data: &std::path::Path, prefix: &str) -> Server {
+    let args = s3_args("moto", prefix);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Server::start_in(data, &args)
+}
+
+async fn get(s: &Server, path: &str, accept: &str) -> (u16, String, Vec<u8>) {
+    let r = client()
+        .get(s.url(path))
+        .header("Accept", accept)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let ct = r
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    (status, ct, r.bytes().await.unwrap().to_vec())
+}
+
+async fn tag_of(s: &Server, repo: &str, tag: &str) -> String {
+    let r = client()
+        .head(s.url(&format!("/v2/{repo}/manifests/{tag}")))
+        .header("Accept", OCI)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.headers()["docker-content-digest"]
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
+    let prefix = format!("replicas-{}/", uuid::Uuid::new_v4());
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut a = replica(da.path(), &prefix);
+    let b = replica(db.path(), &prefix);
+
+    // A push through A is pullable by digest, and by tag, through B at once.
+    let m = image_manifest(&a, "team/app", "first", "").await;
+    let r = put_manifest(&a, "team/app", "v1", OCI, &m).await;
+    assert_eq!(r.status(), 201);
+    let first = sha256(m.as_bytes());
+    let (status, ct, body) = get(&b, &format!("/v2/team/app/manifests/{first}"), OCI).await;
+    assert_eq!((status, ct.as_str(), body), (200, OCI, m.as_bytes().to_vec()));
+    assert_eq!(tag_of(&b, "team/app", "v1").await, first);
+    let v: Value = serde_json::from_str(&m).unwrap();
+    let layer = v["layers"][0]["digest"].as_str().unwrap();
+    let (status, _, body) = get(&b, &format!("/v2/team/app/blobs/{layer}"), "*/*").await;
+    assert_eq!((status, body), (200, b"layer bytes of first".to_vec()));
+    // B can mount A's blob into another repository.
+    let r = client()
+        .post(b.url(&format!("/v2/team/other/blobs/uploads/?mount={layer}&from=team/app")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+
+    // Eight clients move one tag through both replicas at once: every push succeeds and
+    // both replicas then report the same winner, one of the eight.
+    let mut manifests = Vec::new();
+    for i in 0..8 {
+        let via = if i % 2 == 0 { &a } else { &b };
+        manifests.push(image_manifest(via, "team/app", &format!("racer-{i}"), "").await);
+    }
+    let pushes = manifests.iter().enumerate().map(|(i, m)| {
+        let via = if i % 2 == 0 { &a } else { &b };
+        put_manifest(via, "team/app", "latest", OCI, m)
+    });
+    for r in futures_util::future::join_all(pushes).await {
+        assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
+    }
+    let (wa, wb) = (
+        tag_of(&a, "team/app", "latest").await,
+        tag_of(&b, "team/app", "latest").await,
+    );
+    assert_eq!(wa, wb);
+    assert!(manifests.iter().any(|m| sha256(m.as_bytes()) == wa));
+
+    // An artifact with a subject, pushed through B, is a referrer through A.
+    let art = image_manifest(
+        &b,
+        "team/app",
+        "sbom",
+        &format!(r#","artifactType":"application/example.sbom","subject":{{"mediaType":"{OCI}","digest":"{first}","size":{}}}"#, m.len()),
+    )
+    .await;
+    assert_eq!(put_manifest(&b, "team/app", &sha256(art.as_bytes()), OCI, &art).await.status(), 201);
+    let (status, _, body) = get(&a, &format!("/v2/team/app/referrers/{first}"), "*/*").await;
+    assert_eq!(status, 200);
+    let refs: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(refs["manifests"][0]["digest"], sha256(art.as_bytes()).as_str(), "{refs}");
+
+    // SIGKILL of A in the middle of a streamed upload: what was acknowledged stays.
+    let r = client()
+        .post(a.url("/v2/team/app/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
+    let location = r.headers()["location"].to_str().unwrap().to_string();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
+    let url = if location.starts_with('/') { a.url(&location) } else { location };
+    let patch = tokio::spawn(
+        client()
+            .patch(url)
+            .body(reqwest::Body::wrap_stream(tokio_stream_from(rx)))
+            .send(),
+    );
+    tx.send(Ok(vec![1u8; 4 << 20])).await.unwrap();
+    tx.send(Ok(vec![2u8; 4 << 20])).await.unwrap();
+    a.kill9();
+    drop(tx);
+    let _ = patch.await;
+    assert_eq!(get(&b, &format!("/v2/team/app/manifests/{first}"), OCI).await.0, 200);
+    assert_eq!(tag_of(&b, "team/app", "latest").await, wa);
+    let a = replica(da.path(), &prefix);
+    assert_eq!(tag_of(&a, "team/app", "latest").await, wa);
+
+    // reindex: a fresh data dir over the same bucket answers every query as B does.
+    let queries = vec![
+        ("/v2/_catalog".to_string(), "*/*"),
+        ("/v2/team/app/tags/list".to_string(), "*/*"),
+        ("/v2/team/app/manifests/v1".to_string(), OCI),
+        ("/v2/team/app/manifests/latest".to_string(), OCI),
+        (format!("/v2/team/app/manifests/{first}"), OCI),
+        (format!("/v2/team/app/blobs/{layer}"), "*/*"),
+        (format!("/v2/team/other/blobs/{layer}"), "*/*"),
+        (format!("/v2/team/app/referrers/{first}"), "*/*"),
+        (format!("/amber/v1/resolve/team/app/{first}"), "*/*"),
+    ];
+    // B learns everything the bucket holds by reading through: its answers are the
+    // reference (B saw half of the pushes itself).
+    let mut before = Vec::new();
+    for (q, accept) in &queries {
+        before.push(get(&b, q, accept).await);
+    }
+    let text = |i: usize| String::from_utf8_lossy(&before[i].2).into_owned();
+    assert_eq!(text(0), r#"{"repositories":["team/app","team/other"]}"#);
+    assert_eq!(text(1), r#"{"name":"team/app","tags":["latest","v1"]}"#);
+    assert!(text(7).contains(&sha256(art.as_bytes())), "{}", text(7));
+    assert!(text(8).contains(r#""state":"failed""#), "{}", text(8));
+    let dc = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_amber-registry"));
+    cmd.arg("reindex").arg("--data").arg(dc.path()).args(s3_args("moto", &prefix));
+    let out = run(&mut cmd);
+    assert!(out.starts_with("reindexed "), "{out}");
+    let c = replica(dc.path(), &prefix);
+    for ((q, accept), want) in queries.iter().zip(&before) {
+        let got = get(&c, q, accept).await;
+        assert_eq!(&got, want, "{q}: reindexed {:?} vs {:?}", String::from_utf8_lossy(&got.2), String::from_utf8_lossy(&want.2));
+    }
+    drop(a);
+}
+
+/// A channel as a request body stream.
+fn tokio_stream_from(
+    rx: tokio::sync::mpsc::Receiver<Result<Vec<u8>, std::io::Error>>,
+) -> impl futures_util::Stream<Item = Result<Vec<u8>, std::io::Error>> {
+    futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|v| (v, rx)) })
+}
