@@ -2,7 +2,8 @@
 //! JSON body `{"errors":[{"code","message","detail"}]}`.
 //!
 //! Client mistakes map to 4xx with the spec's code; only failures of the registry itself
-//! (storage I/O, a corrupt index) are 5xx, and those are logged with their cause.
+//! are 5xx, and those are logged with their cause: 503 with `Retry-After` when the object
+//! store does not answer (retrying is safe), 500 for anything else (a corrupt index).
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -119,7 +120,20 @@ impl From<IndexError> for ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> ApiError {
-        ApiError::internal("object store", e)
+        match e {
+            // The store did not answer (S3 down, timeouts after retries): nothing was
+            // acknowledged, so the client may retry the same request.
+            StoreError::Io { .. } => {
+                tracing::error!(err = %e, "object store unavailable");
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "UNAVAILABLE",
+                    format!("object store unavailable, retry: {e}"),
+                )
+                .with_header(header::RETRY_AFTER, "5")
+            }
+            other => ApiError::internal("object store", other),
+        }
     }
 }
 

@@ -150,12 +150,24 @@ impl Registry {
         self.config.storage == crate::config::StorageKind::S3
     }
 
+    /// Records under `prefix` for a listing refresh; none when the store does not answer
+    /// (the listing is then served from the index as it is).
+    async fn listed(&self, prefix: &str) -> Vec<RecordKey> {
+        match self.store.list_records(prefix).await {
+            Ok(keys) => keys,
+            Err(e) => {
+                tracing::warn!(error = %e, prefix, "listing served from the index cache");
+                Vec::new()
+            }
+        }
+    }
+
     /// Brings the index's list of repositories up to date with the store.
     pub async fn refresh_catalog(&self) -> Result<(), RecordError> {
         if !self.shared() {
             return Ok(());
         }
-        for key in self.store.list_records("_records/catalog/").await? {
+        for key in self.listed("_records/catalog/").await {
             if let Some(repo) = key
                 .as_str()
                 .strip_prefix("_records/catalog/")
@@ -175,7 +187,7 @@ impl Registry {
             return Ok(());
         }
         let prefix = format!("_records/repos/{repo}/_tags/");
-        for key in self.store.list_records(&prefix).await? {
+        for key in self.listed(&prefix).await {
             let Some(tag) = key
                 .as_str()
                 .strip_prefix(&prefix)
@@ -203,7 +215,7 @@ impl Registry {
             return Ok(());
         }
         let prefix = format!("_records/repos/{repo}/_referrers/{subject}/");
-        for key in self.store.list_records(&prefix).await? {
+        for key in self.listed(&prefix).await {
             if let Some(d) = key
                 .as_str()
                 .strip_prefix(&prefix)
@@ -259,7 +271,17 @@ impl Registry {
     /// Where `tag` points now (read from the store: linearizable across replicas).
     pub async fn tag(&self, repo: &RepoName, tag: &Tag) -> Result<Option<Digest>, RecordError> {
         let key = RecordKey::tag(repo, tag);
-        match self.store.get_record(&key).await? {
+        let record = match self.store.get_record(&key).await {
+            Ok(r) => r,
+            // The store is unreachable: answer from the cache (possibly stale) rather
+            // than not at all.
+            Err(e @ StoreError::Io { .. }) => {
+                tracing::warn!(error = %e, %repo, tag = tag.as_str(), "tag read from the index cache");
+                return Ok(self.index.tag(repo, tag)?);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        match record {
             Some((v, _)) => Ok(Some(
                 std::str::from_utf8(&v)
                     .ok()

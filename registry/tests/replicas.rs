@@ -60,7 +60,10 @@ async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
     assert_eq!(r.status(), 201);
     let first = sha256(m.as_bytes());
     let (status, ct, body) = get(&b, &format!("/v2/team/app/manifests/{first}"), OCI).await;
-    assert_eq!((status, ct.as_str(), body), (200, OCI, m.as_bytes().to_vec()));
+    assert_eq!(
+        (status, ct.as_str(), body),
+        (200, OCI, m.as_bytes().to_vec())
+    );
     assert_eq!(tag_of(&b, "team/app", "v1").await, first);
     let v: Value = serde_json::from_str(&m).unwrap();
     let layer = v["layers"][0]["digest"].as_str().unwrap();
@@ -68,7 +71,9 @@ async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
     assert_eq!((status, body), (200, b"layer bytes of first".to_vec()));
     // B can mount A's blob into another repository.
     let r = client()
-        .post(b.url(&format!("/v2/team/other/blobs/uploads/?mount={layer}&from=team/app")))
+        .post(b.url(&format!(
+            "/v2/team/other/blobs/uploads/?mount={layer}&from=team/app"
+        )))
         .send()
         .await
         .unwrap();
@@ -103,11 +108,20 @@ async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
         &format!(r#","artifactType":"application/example.sbom","subject":{{"mediaType":"{OCI}","digest":"{first}","size":{}}}"#, m.len()),
     )
     .await;
-    assert_eq!(put_manifest(&b, "team/app", &sha256(art.as_bytes()), OCI, &art).await.status(), 201);
+    assert_eq!(
+        put_manifest(&b, "team/app", &sha256(art.as_bytes()), OCI, &art)
+            .await
+            .status(),
+        201
+    );
     let (status, _, body) = get(&a, &format!("/v2/team/app/referrers/{first}"), "*/*").await;
     assert_eq!(status, 200);
     let refs: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(refs["manifests"][0]["digest"], sha256(art.as_bytes()).as_str(), "{refs}");
+    assert_eq!(
+        refs["manifests"][0]["digest"],
+        sha256(art.as_bytes()).as_str(),
+        "{refs}"
+    );
 
     // SIGKILL of A in the middle of a streamed upload: what was acknowledged stays.
     let r = client()
@@ -117,7 +131,11 @@ async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
         .unwrap();
     let location = r.headers()["location"].to_str().unwrap().to_string();
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
-    let url = if location.starts_with('/') { a.url(&location) } else { location };
+    let url = if location.starts_with('/') {
+        a.url(&location)
+    } else {
+        location
+    };
     let patch = tokio::spawn(
         client()
             .patch(url)
@@ -129,7 +147,12 @@ async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
     a.kill9();
     drop(tx);
     let _ = patch.await;
-    assert_eq!(get(&b, &format!("/v2/team/app/manifests/{first}"), OCI).await.0, 200);
+    assert_eq!(
+        get(&b, &format!("/v2/team/app/manifests/{first}"), OCI)
+            .await
+            .0,
+        200
+    );
     assert_eq!(tag_of(&b, "team/app", "latest").await, wa);
     let a = replica(da.path(), &prefix);
     assert_eq!(tag_of(&a, "team/app", "latest").await, wa);
@@ -159,13 +182,22 @@ async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
     assert!(text(8).contains(r#""state":"failed""#), "{}", text(8));
     let dc = tempfile::tempdir().unwrap();
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_amber-registry"));
-    cmd.arg("reindex").arg("--data").arg(dc.path()).args(s3_args("moto", &prefix));
+    cmd.arg("reindex")
+        .arg("--data")
+        .arg(dc.path())
+        .args(s3_args("moto", &prefix));
     let out = run(&mut cmd);
     assert!(out.starts_with("reindexed "), "{out}");
     let c = replica(dc.path(), &prefix);
     for ((q, accept), want) in queries.iter().zip(&before) {
         let got = get(&c, q, accept).await;
-        assert_eq!(&got, want, "{q}: reindexed {:?} vs {:?}", String::from_utf8_lossy(&got.2), String::from_utf8_lossy(&want.2));
+        assert_eq!(
+            &got,
+            want,
+            "{q}: reindexed {:?} vs {:?}",
+            String::from_utf8_lossy(&got.2),
+            String::from_utf8_lossy(&want.2)
+        );
     }
     drop(a);
 }

@@ -94,7 +94,9 @@ impl RecordKey {
 
     /// Manifest `digest` of `repo` has subject `subject`.
     pub fn referrer(repo: &crate::names::RepoName, subject: &Digest, digest: &Digest) -> RecordKey {
-        RecordKey(format!("_records/repos/{repo}/_referrers/{subject}/{digest}"))
+        RecordKey(format!(
+            "_records/repos/{repo}/_referrers/{subject}/{digest}"
+        ))
     }
 
     /// How image `image` converted.
