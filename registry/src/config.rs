@@ -25,6 +25,9 @@ pub struct S3Config {
     pub region: Option<String>,
     pub path_style: Option<bool>,
     pub prefix: Option<String>,
+    /// Answer blob and chunk GETs with redirects to presigned URLs (clients then read
+    /// straight from the bucket).
+    pub redirect: Option<bool>,
     pub access_key_id: Option<String>,
     pub secret_access_key: Option<String>,
 }
@@ -71,6 +74,9 @@ pub struct ConfigArgs {
     /// Prefix of every key in the bucket (several registries can share one).
     #[arg(long, env = "AMBER_S3_PREFIX")]
     pub s3_prefix: Option<String>,
+    /// Redirect blob and chunk downloads to presigned S3 URLs.
+    #[arg(long, env = "AMBER_S3_REDIRECT")]
+    pub s3_redirect: Option<bool>,
     /// Static credentials; without them the standard AWS provider chain is used.
     #[arg(long, env = "AMBER_S3_ACCESS_KEY_ID")]
     pub s3_access_key_id: Option<String>,
@@ -176,6 +182,7 @@ impl ConfigArgs {
                 region: self.s3_region.clone().or(fs3.region),
                 path_style: self.s3_path_style.or(fs3.path_style),
                 prefix: self.s3_prefix.clone().or(fs3.prefix),
+                redirect: self.s3_redirect.or(fs3.redirect),
                 access_key_id: self.s3_access_key_id.clone().or(fs3.access_key_id),
                 secret_access_key: self.s3_secret_access_key.clone().or(fs3.secret_access_key),
             },

@@ -11,6 +11,10 @@ pub const BYTES_IN: &str = "amber_http_body_bytes_in_total";
 pub const BYTES_OUT: &str = "amber_http_body_bytes_out_total";
 pub const UPLOADS_IN_FLIGHT: &str = "amber_uploads_in_flight";
 pub const UPLOAD_SESSIONS_EXPIRED: &str = "amber_upload_sessions_expired_total";
+/// Requests sent to S3, by operation (logical requests; the SDK's retries not counted).
+pub const S3_REQUESTS: &str = "amber_s3_requests_total";
+/// Object reads answered with a redirect to a presigned URL.
+pub const REDIRECTS: &str = "amber_presigned_redirects_total";
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 

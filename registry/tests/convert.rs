@@ -409,6 +409,65 @@ async fn chunks_are_served_with_ranges_and_immutable_headers() {
     assert_eq!(r.status(), 416);
 }
 
+/// With `--s3-redirect`, chunk and blob downloads are redirects to presigned URLs of the
+/// bucket; a client that follows them (as the runner's does) gets the same bytes, with
+/// ranges; HEAD is still answered by the registry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn downloads_redirect_to_presigned_s3_urls() {
+    let s = Server::start_on(Storage::S3, &["--s3-redirect", "true"]);
+    let blobs: Vec<LayerBlob> = layers().into_iter().map(|t| (t, TAR)).collect();
+    push_image(&s, "conv/direct", "v1", &blobs).await;
+    let v = settled(&s, "conv/direct", "v1").await;
+    assert_eq!(v["state"], "done", "{v}");
+    let env = v["env_digest"].as_str().unwrap();
+    let envelope: ManifestEnvelope = client()
+        .get(s.url(&format!("/amber/v1/envs/{env}")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let e = &envelope.manifest.extents[0];
+    let url = s.url(&format!("/amber/v1/chunks/{}", e.chunk));
+    let r = client().get(&url).send().await.unwrap();
+    assert_eq!(r.status(), 307);
+    let location = r.headers()["location"].to_str().unwrap().to_string();
+    assert!(location.starts_with(&s3_endpoint("moto")), "{location}");
+    assert!(location.contains("X-Amz-Signature="), "{location}");
+    let following = reqwest::Client::new();
+    let z = following
+        .get(&url)
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let data = zstd::bulk::decompress(&z, e.length as usize).unwrap();
+    assert_eq!(ChunkId::of(&data), e.chunk);
+    let r = following
+        .get(&url)
+        .header("Range", "bytes=1-4")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 206);
+    assert_eq!(&r.bytes().await.unwrap()[..], &z[1..5]);
+    let r = client().head(&url).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let layer = sha256(&blobs[0].0);
+    let got = following
+        .get(s.url(&format!("/v2/conv/direct/blobs/{layer}")))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    assert!(got == blobs[0].0, "blob bytes through the redirect");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fsck_checks_chunks_and_block_manifests() {
     let tmp = tempfile::tempdir().unwrap();

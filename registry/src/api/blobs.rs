@@ -72,7 +72,25 @@ pub struct ObjectResponse<'a> {
 }
 
 /// Serves an immutable stored object: whole, or one `Range` (206), or 416 with the size.
+/// How long a presigned URL handed out in a redirect stays valid.
+const PRESIGNED_TTL: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
 pub async fn serve_object(reg: &AppState, o: ObjectResponse<'_>) -> ApiResult<Response> {
+    // With `s3_redirect`, object bytes come straight from the bucket: the client follows
+    // a short-lived presigned URL (Range and all), and the registry only answers for
+    // access and existence.
+    if !o.head && reg.config.s3.redirect.unwrap_or(false) {
+        if let Some(url) = reg.store.presign_get(&o.key, PRESIGNED_TTL).await? {
+            metrics::counter!(crate::metrics::REDIRECTS).increment(1);
+            return Ok(Response::builder()
+                .status(StatusCode::TEMPORARY_REDIRECT)
+                .header(header::LOCATION, url)
+                .header(header::CACHE_CONTROL, "no-store")
+                .body(axum::body::Body::empty())
+                .map_err(|e| ApiError::internal("response", e))?
+                .into_response());
+        }
+    }
     let size = o.size;
     let range = parse_range(o.range, size).map_err(|msg| {
         ApiError::new(StatusCode::RANGE_NOT_SATISFIABLE, "RANGE_INVALID", msg)

@@ -231,4 +231,14 @@ pub trait ObjectStore: Send + Sync + 'static {
 
     /// Every record whose key starts with `prefix` (itself starting with `_records/`).
     async fn list_records(&self, prefix: &str) -> Result<Vec<RecordKey>, StoreError>;
+
+    /// A URL from which a client may GET the published object directly for `ttl`, when
+    /// the backend has such URLs (S3 presigned URLs); `None` otherwise.
+    async fn presign_get(
+        &self,
+        _key: &ObjectKey,
+        _ttl: std::time::Duration,
+    ) -> Result<Option<String>, StoreError> {
+        Ok(None)
+    }
 }

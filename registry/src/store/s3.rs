@@ -87,6 +87,29 @@ fn body_err(what: &str, e: impl std::fmt::Display) -> io::Error {
     io::Error::other(format!("{what}: {e}"))
 }
 
+/// Counts every S3 operation (once, whatever its retries) by name, for /metrics.
+#[derive(Debug)]
+struct CountRequests;
+
+impl aws_sdk_s3::config::Intercept for CountRequests {
+    fn name(&self) -> &'static str {
+        "amber-count-requests"
+    }
+
+    fn read_before_execution(
+        &self,
+        _context: &aws_sdk_s3::config::interceptors::BeforeSerializationInterceptorContextRef<'_>,
+        cfg: &mut aws_sdk_s3::config::ConfigBag,
+    ) -> Result<(), aws_smithy_runtime_api::box_error::BoxError> {
+        let op = cfg
+            .load::<aws_smithy_runtime_api::client::orchestrator::Metadata>()
+            .map(|m| m.name().to_string())
+            .unwrap_or_else(|| "unknown".into());
+        metrics::counter!(crate::metrics::S3_REQUESTS, "op" => op).increment(1);
+        Ok(())
+    }
+}
+
 /// A segment of a staged object: where it starts, its key and size.
 #[derive(Clone, Debug)]
 struct Segment {
@@ -134,6 +157,7 @@ impl S3Store {
             .response_checksum_validation(
                 aws_sdk_s3::config::ResponseChecksumValidation::WhenRequired,
             )
+            .interceptor(CountRequests)
             .build();
         let store = S3Store {
             client: aws_sdk_s3::Client::from_conf(conf),
@@ -664,6 +688,25 @@ impl ObjectStore for S3Store {
             .into_iter()
             .map(|(k, _)| ObjectKey(k[self.prefix.len()..].to_string()))
             .collect())
+    }
+
+    async fn presign_get(
+        &self,
+        key: &ObjectKey,
+        ttl: Duration,
+    ) -> Result<Option<String>, StoreError> {
+        let k = self.key(key);
+        let cfg = aws_sdk_s3::presigning::PresigningConfig::expires_in(ttl)
+            .map_err(|e| StoreError::io(format!("presigning {k}"), io::Error::other(e)))?;
+        let req = self
+            .client
+            .get_object()
+            .bucket(&self.bucket)
+            .key(&k)
+            .presigned(cfg)
+            .await
+            .map_err(|e| io_err(format!("presigning {k}"), e))?;
+        Ok(Some(req.uri().to_string()))
     }
 
     async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError> {
