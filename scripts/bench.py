@@ -53,13 +53,14 @@ def wait_ready(addr, proc, log):
 class Server:
     """One registry process on a fresh data directory."""
 
-    def __init__(self, kind, work):
+    def __init__(self, kind, work, extra=(), keep=False):
         self.kind = kind
         self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.data = os.path.join(work, f"{kind}-data")
-        shutil.rmtree(self.data, ignore_errors=True)
-        os.makedirs(self.data)
+        if not keep:
+            shutil.rmtree(self.data, ignore_errors=True)
+        os.makedirs(self.data, exist_ok=True)
         self.log = os.path.join(work, f"{kind}.log")
         logf = open(self.log, "w")
         if kind.startswith("amber"):
@@ -68,6 +69,7 @@ class Server:
             if kind == "amber":
                 # The OCI registry alone; conversion on push is measured as "amber+convert".
                 cmd += ["--convert-workers", "0"]
+            cmd += list(extra)
             env = dict(os.environ, AMBER_LOG="warn")
         else:
             cfg = os.path.join(work, "distribution.yml")
@@ -88,12 +90,184 @@ class Server:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def stop(self):
+    def stop(self, keep=False):
         hwm = vm_hwm_kib(self.proc.pid)
         self.proc.terminate()
         self.proc.wait(timeout=30)
-        shutil.rmtree(self.data, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(self.data, ignore_errors=True)
         return hwm
+
+
+class S3sFs:
+    """An S3-compatible server with data on disk (s3s-fs), with the bucket amber-bench."""
+
+    def __init__(self, work):
+        self.root = os.path.join(work, "s3s-fs")
+        shutil.rmtree(self.root, ignore_errors=True)
+        os.makedirs(os.path.join(self.root, "amber-bench"))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(work, "s3s-fs.log"), "w")
+        self.proc = subprocess.Popen(["s3s-fs", "--host", "127.0.0.1", "--port", str(self.port),
+                                      "--access-key", "amber", "--secret-key", "amber-secret", self.root],
+                                     stdout=self.log, stderr=self.log)
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("s3s-fs did not start")
+
+    def args(self, prefix):
+        return ["--storage", "s3", "--s3-endpoint", self.url, "--s3-bucket", "amber-bench",
+                "--s3-prefix", prefix, "--s3-access-key-id", "amber", "--s3-secret-access-key", "amber-secret"]
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def s3_ops(addr):
+    """S3 requests the registry sent so far, by operation."""
+    ops = {}
+    for line in urllib.request.urlopen(f"http://{addr}/metrics").read().decode().splitlines():
+        if line.startswith("amber_s3_requests_total{"):
+            op = line.split('op="', 1)[1].split('"', 1)[0]
+            ops[op] = ops.get(op, 0) + float(line.rsplit(" ", 1)[1])
+    return ops
+
+
+def ops_delta(after, before):
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
+def bench_s3(work, image_set, runs, blobs):
+    """Push and pull on fs and on s3 (s3s-fs on this machine's disk), and the S3 requests
+    the registry makes per blob pushed and per chunk converted."""
+    res = {k: {"push": [], "pull": []} for k in ("fs", "s3")}
+    counts = {}
+    for i in range(runs):
+        for kind in (("fs", "s3") if i % 2 == 0 else ("s3", "fs")):
+            s3 = S3sFs(work) if kind == "s3" else None
+            extra = s3.args(f"run{i}/") if s3 else []
+            s = Server(f"amber-{kind}", work, extra=extra + ["--convert-workers", "0"])
+            try:
+                ref = f"docker://{s.addr}/bench/set:v1"
+                before = s3_ops(s.addr)
+                push = timed(["skopeo", "copy", "-q", "--dest-tls-verify=false", f"oci:{image_set}:bench", ref])
+                if s3 and i == 0:
+                    counts["push"] = ops_delta(s3_ops(s.addr), before)
+                out = os.path.join(work, "pulled")
+                shutil.rmtree(out, ignore_errors=True)
+                pull = timed(["skopeo", "copy", "-q", "--src-tls-verify=false", ref, f"dir:{out}"])
+                shutil.rmtree(out, ignore_errors=True)
+            finally:
+                s.stop(keep=bool(s3 and i == 0))
+            res[kind]["push"].append(push)
+            res[kind]["pull"].append(pull)
+            print(f"  run {i + 1} {kind}: push {push:6.2f}s  pull {pull:6.2f}s", flush=True)
+            if s3 and i == 0:
+                # The queued conversion runs on a restart with workers: requests per new chunk.
+                c = Server("amber-s3", work, extra=extra + ["--convert-workers", "1"], keep=True)
+                try:
+                    before = s3_ops(c.addr)
+                    wait_converted(c.addr, "bench/set", "v1")
+                    m = urllib.request.urlopen(f"http://{c.addr}/metrics").read().decode()
+                    counts["convert"] = ops_delta(s3_ops(c.addr), before)
+                    counts["chunks_written"] = metric_value(m, "amber_chunks_written_total")
+                finally:
+                    c.stop()
+                # A second replica (empty index) pushes and converts the same image:
+                # every blob and chunk exists in the bucket already.
+                r = Server("amber-s3-replica", work, extra=extra + ["--convert-workers", "1"])
+                try:
+                    before = s3_ops(r.addr)
+                    timed(["skopeo", "copy", "-q", "--dest-tls-verify=false", f"oci:{image_set}:bench",
+                           f"docker://{r.addr}/bench/set:v1"])
+                    wait_converted(r.addr, "bench/set", "v1")
+                    m = urllib.request.urlopen(f"http://{r.addr}/metrics").read().decode()
+                    counts["replica"] = ops_delta(s3_ops(r.addr), before)
+                    counts["replica_chunks_written"] = metric_value(m, "amber_chunks_written_total")
+                    counts["replica_chunks_existing"] = metric_value(m, "amber_chunks_existing_total")
+                finally:
+                    r.stop()
+            if s3:
+                s3.stop()
+    counts["blobs"] = blobs
+    return res, counts
+
+
+def metric_value(text, name):
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def wait_converted(addr, name, ref):
+    for _ in range(36000):
+        v = json.load(urllib.request.urlopen(f"http://{addr}/amber/v1/resolve/{name}/{ref}"))
+        if v["state"] in ("done", "failed"):
+            assert v["state"] == "done", v
+            return v
+        time.sleep(0.1)
+    raise RuntimeError(f"{name}:{ref} not converted")
+
+
+def s3_section(res, counts, desc, runs):
+    size_gib = desc["bytes"] / 2**30
+    lines = [
+        "## Storage backends: fs and S3 (issue 5)",
+        "",
+        f"The registry image set above ({desc['layers']} layers, {size_gib:.2f} GiB), pushed and pulled with skopeo",
+        f"through amber on local disk (`fs`) and on S3 (`s3`: s3s-fs {tool_version(['s3s-fs', '--version']).split()[-1]},",
+        "an S3-compatible server with data on this machine's disk, over loopback), conversion off.",
+        f"Method: {runs} runs each, alternating which goes first, fresh data directory and bucket prefix per run.",
+        "",
+        "| measure | fs median | fs min-max | s3 median | s3 min-max | s3 / fs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key in ("push", "pull"):
+        fm, fmin, fmax = stats(res["fs"][key])
+        sm, smin, smax = stats(res["s3"][key])
+        lines.append(f"| {key} wall time (s) | {fm:.2f} | {fmin:.2f}-{fmax:.2f} | {sm:.2f} | {smin:.2f}-{smax:.2f} | {sm / fm:.2f}x |")
+    for key in ("push", "pull"):
+        lines.append(f"| {key} throughput (GiB/s) | {size_gib / stats(res['fs'][key])[0]:.2f} | | {size_gib / stats(res['s3'][key])[0]:.2f} | | |")
+    push, conv, rep = counts.get("push", {}), counts.get("convert", {}), counts.get("replica", {})
+    chunks = counts.get("chunks_written", 0) or 1
+    per_blob = sum(push.values()) / counts["blobs"]
+    per_chunk = sum(conv.values()) / chunks
+    lines += [
+        "",
+        "S3 requests (the registry's `amber_s3_requests_total` by operation; one logical",
+        "request each, whatever the SDK's retries):",
+        "",
+        f"- push of {counts['blobs']} blobs and the manifest: {int(sum(push.values()))} requests, "
+        f"{per_blob:.1f} per blob: `{json.dumps({k: int(v) for k, v in sorted(push.items())})}`",
+        f"- conversion writing {int(counts.get('chunks_written', 0))} new chunks: {int(sum(conv.values()))} requests, "
+        f"{per_chunk:.2f} per new chunk (this includes reading the layers and writing the envelope, records and referrer): "
+        f"`{json.dumps({k: int(v) for k, v in sorted(conv.items())})}`",
+        f"- a second replica (empty index) pushing and converting the same image: "
+        f"{int(counts.get('replica_chunks_written', 0))} chunks written, {int(counts.get('replica_chunks_existing', 0))} found existing; "
+        f"PutObject {int(rep.get('PutObject', 0))}, UploadPart {int(rep.get('UploadPart', 0))}: "
+        f"`{json.dumps({k: int(v) for k, v in sorted(rep.items())})}`",
+        "",
+        "Goals (issue 5): at most 3 S3 requests per new chunk, and a chunk that already exists costs no S3 write.",
+        f"- per new chunk: {per_chunk:.2f}, goal {'met' if per_chunk <= 3 else 'NOT met'}",
+        f"- existing chunks: {int(counts.get('replica_chunks_written', 0))} chunk writes, goal "
+        f"{'met' if counts.get('replica_chunks_written', 1) == 0 else 'NOT met'}",
+        "",
+        "Raw runs (seconds):",
+        "",
+        "```",
+        json.dumps(res),
+        "```",
+        "",
+    ]
+    return lines
 
 
 def timed(cmd):
@@ -482,12 +656,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small image set, 3 runs")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=["registry", "convert", "boot"], help="run one benchmark")
+    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot"], help="run one benchmark")
     a = ap.parse_args()
     work = os.path.join(RUN, "bench")
     os.makedirs(work, exist_ok=True)
     sections = []
-    if a.only in (None, "registry"):
+    if a.only in (None, "registry", "s3"):
         layers, mib = (8, 16) if a.quick else (24, 86)
         image_set = os.path.join(work, f"imageset-{layers}x{mib}")
         if not os.path.exists(os.path.join(image_set, "index.json")):
@@ -499,8 +673,12 @@ def main():
         manifest = json.load(open(os.path.join(image_set, "blobs", "sha256", mdig)))
         desc = {"layers": len(manifest["layers"]), "bytes": sum(l["size"] for l in manifest["layers"])}
         print(f"registry push/pull: {desc['layers']} layers, {desc['bytes'] / 2**30:.2f} GiB, {a.runs} runs each", flush=True)
-        res = bench_registry(work, image_set, a.runs)
-        sections.append(registry_section(res, desc, a.runs))
+        if a.only != "s3":
+            res = bench_registry(work, image_set, a.runs)
+            sections.append(registry_section(res, desc, a.runs))
+        print(f"storage backends: fs and s3, {a.runs} runs each", flush=True)
+        res, counts = bench_s3(work, image_set, a.runs, desc["layers"] + 1)
+        sections.append(s3_section(res, counts, desc, a.runs))
     if a.only in (None, "convert"):
         print("conversion: the fidelity image set", flush=True)
         res, raw, dist = bench_convert(work, a.runs)

@@ -87,7 +87,8 @@ fn body_err(what: &str, e: impl std::fmt::Display) -> io::Error {
     io::Error::other(format!("{what}: {e}"))
 }
 
-/// Counts every S3 operation (once, whatever its retries) by name, for /metrics.
+/// Counts every S3 operation (once: requests are serialised once, whatever the retries)
+/// by name, for /metrics.
 #[derive(Debug)]
 struct CountRequests;
 
@@ -96,9 +97,10 @@ impl aws_sdk_s3::config::Intercept for CountRequests {
         "amber-count-requests"
     }
 
-    fn read_before_execution(
+    fn read_before_serialization(
         &self,
         _context: &aws_sdk_s3::config::interceptors::BeforeSerializationInterceptorContextRef<'_>,
+        _components: &aws_sdk_s3::config::RuntimeComponents,
         cfg: &mut aws_sdk_s3::config::ConfigBag,
     ) -> Result<(), aws_smithy_runtime_api::box_error::BoxError> {
         let op = cfg
@@ -523,10 +525,31 @@ impl ObjectStore for S3Store {
         &self,
         id: &str,
         offset: u64,
-        body: ByteStream,
+        mut body: ByteStream,
         observe: Observer<'_>,
     ) -> Result<u64, StoreError> {
         let prefix = self.staged_prefix(id)?;
+        // An empty append (the closing PUT of a chunked upload) writes nothing.
+        let first = loop {
+            match body.next().await {
+                Some(Ok(c)) if c.is_empty() => continue,
+                Some(Ok(c)) => break Some(c),
+                Some(Err(e)) => return Err(StoreError::Body(e)),
+                None => break None,
+            }
+        };
+        if first.is_none() && offset > 0 {
+            return match self.staged_len(id).await? {
+                None => Err(StoreError::NotFound(format!("staged upload {id}"))),
+                Some(len) if len != offset => Err(StoreError::OffsetMismatch {
+                    id: id.to_string(),
+                    expected: offset,
+                    actual: len,
+                }),
+                Some(_) => Ok(offset),
+            };
+        }
+        let body: ByteStream = Box::pin(futures_util::stream::iter(first.map(Ok)).chain(body));
         let segs = self.segments(id).await?;
         let len: u64 = segs.iter().map(|s| s.size).sum();
         if segs.is_empty() && offset > 0 {
@@ -541,11 +564,6 @@ impl ObjectStore for S3Store {
         }
         let key = format!("{prefix}{offset:020}");
         let written = self.write_streamed(&key, body, observe, false).await?;
-        if written == 0 && offset > 0 {
-            // An empty append adds nothing; its empty segment would shadow nothing either,
-            // but keep the listing to one segment per offset.
-            let _ = self.delete(&key).await;
-        }
         Ok(offset + written)
     }
 
