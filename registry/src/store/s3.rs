@@ -313,16 +313,7 @@ impl S3Store {
             }
             while buf.len() >= PART_BYTES || (done && !buf.is_empty()) {
                 if upload.is_none() {
-                    let r = self
-                        .client
-                        .create_multipart_upload()
-                        .bucket(&self.bucket)
-                        .key(key)
-                        .send()
-                        .await
-                        .map_err(|e| io_err(format!("starting an upload of {key}"), e))?;
-                    let id = r.upload_id().unwrap_or_default().to_string();
-                    upload = Some((id, Vec::new()));
+                    upload = Some((self.start_upload(key).await?, Vec::new()));
                 }
                 let (id, parts) = upload.as_mut().expect("started");
                 let n = buf.len().min(PART_BYTES);
@@ -358,6 +349,19 @@ impl S3Store {
                 return Ok(total);
             }
         }
+    }
+
+    /// Starts a multipart upload of `key`; returns its id.
+    async fn start_upload(&self, key: &str) -> Result<String, StoreError> {
+        let r = self
+            .client
+            .create_multipart_upload()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+            .map_err(|e| io_err(format!("starting a multipart upload of {key}"), e))?;
+        Ok(r.upload_id().unwrap_or_default().to_string())
     }
 
     async fn abort(&self, key: &str, upload_id: &str) {
@@ -592,15 +596,7 @@ impl ObjectStore for S3Store {
                     .await?;
                     continue;
                 }
-                let r = self
-                    .client
-                    .create_multipart_upload()
-                    .bucket(&self.bucket)
-                    .key(&s.key)
-                    .send()
-                    .await
-                    .map_err(|e| io_err(format!("cutting {}", s.key), e))?;
-                let upload = r.upload_id().unwrap_or_default().to_string();
+                let upload = self.start_upload(&s.key).await?;
                 let part = self.copy_part(&s.key, &upload, 1, &s.key, 0..keep).await;
                 match part {
                     Ok(p) => self.complete(&s.key, &upload, vec![p], false).await?,
@@ -645,15 +641,7 @@ impl ObjectStore for S3Store {
                 let body = self.read_staged(id).await?;
                 self.write_streamed(&k, body, &mut |_| {}, true).await?;
             } else {
-                let r = self
-                    .client
-                    .create_multipart_upload()
-                    .bucket(&self.bucket)
-                    .key(&k)
-                    .send()
-                    .await
-                    .map_err(|e| io_err(format!("starting the publish of {k}"), e))?;
-                let upload = r.upload_id().unwrap_or_default().to_string();
+                let upload = self.start_upload(&k).await?;
                 let mut parts = Vec::new();
                 for (i, s) in segs.iter().enumerate() {
                     match self
