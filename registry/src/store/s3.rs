@@ -145,6 +145,22 @@ impl S3Store {
             loader = loader.credentials_provider(aws_sdk_s3::config::Credentials::new(
                 id, secret, None, None, "amber",
             ));
+        } else {
+            // The standard chain (environment, profile, web identity, container, instance
+            // metadata), with an instance-metadata client that gives up within about a
+            // second where there is no metadata service, instead of stalling start-up.
+            let imds = aws_config::imds::Client::builder()
+                .connect_timeout(Duration::from_millis(500))
+                .read_timeout(Duration::from_millis(500))
+                .max_attempts(1)
+                .build();
+            let chain =
+                aws_config::default_provider::credentials::DefaultCredentialsChain::builder()
+                    .region(Region::new(s.region.clone()))
+                    .imds_client(imds)
+                    .build()
+                    .await;
+            loader = loader.credentials_provider(chain);
         }
         if let Some(e) = &s.endpoint {
             loader = loader.endpoint_url(e);
