@@ -12,7 +12,8 @@
 //! - publishing copies the segments server-side into a multipart upload of the final key
 //!   (`UploadPartCopy`), completed with `If-None-Match: *`: the final key is either absent
 //!   or complete;
-//! - memory per upload is one part buffer (`PART_BYTES`), whatever the blob size;
+//! - memory per upload is bounded by a few part buffers (`PARALLEL_PARTS` + 1 of
+//!   `PART_BYTES`), whatever the blob size;
 //! - every call has timeouts and retries with backoff and jitter (the SDK's standard
 //!   retry mode), so a silent endpoint fails cleanly instead of hanging.
 //!
@@ -35,6 +36,9 @@ use super::{ByteStream, ObjectKey, ObjectStore, Observer, RecordKey, StoreError,
 
 /// Bytes per multipart part (S3's minimum is 5 MiB, except for the last part).
 const PART_BYTES: usize = 8 << 20;
+/// Parts of one upload in flight at once: memory per upload is at most
+/// (PARALLEL_PARTS + 1) * PART_BYTES.
+const PARALLEL_PARTS: usize = 3;
 /// S3's minimum size of a part that is not the last.
 const MIN_PART: u64 = 5 << 20;
 /// The largest source range one `UploadPartCopy` may copy.
@@ -292,6 +296,8 @@ impl S3Store {
     ) -> Result<u64, StoreError> {
         let mut buf = BytesMut::with_capacity(PART_BYTES);
         let mut upload: Option<(String, Vec<CompletedPart>)> = None;
+        let mut inflight = futures_util::stream::FuturesUnordered::new();
+        let mut next_part = 0i32;
         let mut total = 0u64;
         loop {
             let next = body.next().await;
@@ -332,38 +338,61 @@ impl S3Store {
                     upload = Some((self.start_upload(key).await?, Vec::new()));
                 }
                 let (id, parts) = upload.as_mut().expect("started");
-                let n = buf.len().min(PART_BYTES);
-                let part = buf.split_to(n).freeze();
-                let number = parts.len() as i32 + 1;
-                let sent = self
-                    .client
-                    .upload_part()
-                    .bucket(&self.bucket)
-                    .key(key)
-                    .upload_id(id.as_str())
-                    .part_number(number)
-                    .body(SdkStream::from(part))
-                    .send()
-                    .await;
-                match sent {
-                    Ok(r) => parts.push(
-                        CompletedPart::builder()
-                            .part_number(number)
-                            .set_e_tag(r.e_tag().map(str::to_string))
-                            .build(),
-                    ),
-                    Err(e) => {
+                if inflight.len() >= PARALLEL_PARTS {
+                    let finished: Result<CompletedPart, StoreError> =
+                        inflight.next().await.expect("parts in flight");
+                    if let Err(e) = finished.map(|p| parts.push(p)) {
                         let id = id.clone();
                         self.abort(key, &id).await;
-                        return Err(io_err(format!("uploading part {number} of {key}"), e));
+                        return Err(e);
                     }
                 }
+                let n = buf.len().min(PART_BYTES);
+                let part = buf.split_to(n).freeze();
+                next_part += 1;
+                inflight.push(self.upload_part(key, id.clone(), next_part, part));
             }
             if done {
-                let (id, parts) = upload.take().expect("started");
+                let (id, mut parts) = upload.take().expect("started");
+                while let Some(finished) = inflight.next().await {
+                    if let Err(e) = finished.map(|p| parts.push(p)) {
+                        self.abort(key, &id).await;
+                        return Err(e);
+                    }
+                }
+                parts.sort_by_key(|p| p.part_number());
                 self.complete(key, &id, parts, create_once).await?;
                 return Ok(total);
             }
+        }
+    }
+
+    /// Uploads one part; the future owns what it sends, so several run at once.
+    fn upload_part(
+        &self,
+        key: &str,
+        upload_id: String,
+        number: i32,
+        part: Bytes,
+    ) -> impl std::future::Future<Output = Result<CompletedPart, StoreError>> {
+        let req = self
+            .client
+            .upload_part()
+            .bucket(&self.bucket)
+            .key(key)
+            .upload_id(upload_id)
+            .part_number(number)
+            .body(SdkStream::from(part));
+        let key = key.to_string();
+        async move {
+            let r = req
+                .send()
+                .await
+                .map_err(|e| io_err(format!("uploading part {number} of {key}"), e))?;
+            Ok(CompletedPart::builder()
+                .part_number(number)
+                .set_e_tag(r.e_tag().map(str::to_string))
+                .build())
         }
     }
 
