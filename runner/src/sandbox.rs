@@ -219,22 +219,7 @@ async fn serve(node: &Path, dir: &Path, record: &Record) -> anyhow::Result<()> {
     stdout.write_all(b"ready\n").await?;
     stdout.flush().await?;
     drop(stdout);
-    let sandbox = Arc::new(tokio::sync::Mutex::new(Some(sandbox)));
-    let mux = sandbox
-        .lock()
-        .await
-        .as_ref()
-        .expect("running")
-        .vm
-        .mux
-        .clone();
-    let cache = sandbox
-        .lock()
-        .await
-        .as_ref()
-        .expect("running")
-        .cache
-        .clone();
+    let (mux, cache) = (sandbox.vm.mux.clone(), sandbox.cache.clone());
     let shutdown = Arc::new(tokio::sync::Notify::new());
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
@@ -247,9 +232,7 @@ async fn serve(node: &Path, dir: &Path, record: &Record) -> anyhow::Result<()> {
             _ = term.recv() => break,
         }
     }
-    if let Some(s) = sandbox.lock().await.take() {
-        s.shutdown().await;
-    }
+    sandbox.shutdown().await;
     Ok(())
 }
 

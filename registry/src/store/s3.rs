@@ -272,14 +272,7 @@ impl S3Store {
         };
         for u in list.uploads() {
             if let (Some(k), Some(id)) = (u.key(), u.upload_id()) {
-                let _ = self
-                    .client
-                    .abort_multipart_upload()
-                    .bucket(&self.bucket)
-                    .key(k)
-                    .upload_id(id)
-                    .send()
-                    .await;
+                self.abort(k, id).await;
             }
         }
     }
