@@ -652,11 +652,143 @@ def boot_section(res, fetched, device, stored, runs):
     return lines
 
 
+def corpus_layout(work, count):
+    """The task-image corpus of fixtures/corpus (generated once per count, seed 1)."""
+    layout = os.path.join(work, f"corpus-{count}")
+    if not os.path.exists(os.path.join(layout, "corpus.json")):
+        print(f"generating a corpus of {count} task images in {layout}", flush=True)
+        subprocess.run([sys.executable, os.path.join(ROOT, "fixtures/corpus/generate.py"), "--count", str(count),
+                        "--out", layout], check=True)
+    return layout, json.load(open(os.path.join(layout, "corpus.json")))
+
+
+def bench_corpus(work, count):
+    """Pushes every task image of the corpus in turn to distribution, then to amber
+    (waiting for each conversion), and records after each image what each stores."""
+    layout, corpus = corpus_layout(work, count)
+    tasks = corpus["tasks"]
+    res = {"tasks": [], "distribution": {}, "amber": {}}
+    for t in tasks:
+        res["tasks"].append({"ref": t["ref"], "repository": t["repository"], "version": t["version"], "base": t["base"],
+                             "raw": sum(l["raw"] for l in t["layers"]), "compressed": sum(l["size"] for l in t["layers"])})
+    for kind in ("distribution", "amber+convert"):
+        s = Server(kind, work)
+        try:
+            grew, push_times = [], []
+            store = os.path.join(s.data, "docker") if kind == "distribution" else os.path.join(s.data, "store")
+            before = dir_bytes(store)
+            for i, t in enumerate(tasks):
+                name, tag = f"corpus/{t['repository']}", t["version"]
+                dt = timed(["skopeo", "copy", "-q", "--dest-tls-verify=false", f"oci:{layout}:{t['ref']}",
+                            f"docker://{s.addr}/{name}:{tag}"])
+                if kind == "distribution":
+                    after = dir_bytes(store)
+                    grew.append(after - before)
+                    before = after
+                else:
+                    c0 = metric(s.addr, "amber_chunk_bytes_written_total")
+                    t0 = time.monotonic()
+                    wait_converted(s.addr, name, tag)
+                    dt += time.monotonic() - t0
+                    grew.append(metric(s.addr, "amber_chunk_bytes_written_total") - c0 if i else None)
+                push_times.append(dt)
+                if (i + 1) % 20 == 0 or i + 1 == len(tasks):
+                    print(f"  {kind}: {i + 1} of {len(tasks)} pushed", flush=True)
+            entry = {"push_seconds": sum(push_times), "grew": grew}
+            if kind == "distribution":
+                entry["stored"] = dir_bytes(os.path.join(store, "registry/v2/blobs"))
+            else:
+                entry["chunks"] = dir_bytes(os.path.join(store, "chunks"))
+                entry["envs"] = dir_bytes(os.path.join(store, "envs"))
+                entry["blobs"] = dir_bytes(os.path.join(store, "blobs"))
+                entry["chunk_bytes_written"] = metric(s.addr, "amber_chunk_bytes_written_total")
+                # The first image's chunks were written before the first reading.
+                entry["grew"][0] = entry["chunk_bytes_written"] - sum(g for g in grew[1:])
+            res["amber" if kind != "distribution" else kind] = entry
+        finally:
+            s.stop()
+    return res
+
+
+def corpus_section(res):
+    tasks = res["tasks"]
+    n = len(tasks)
+    raw = sum(t["raw"] for t in tasks)
+    dist, amber = res["distribution"], res["amber"]
+    bases = sorted({t["base"] for t in tasks})
+    repos = sorted({t["repository"] for t in tasks})
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    # "Added" images: every image after the first of its base (which brings the base).
+    seen, added = set(), []
+    for i, t in enumerate(tasks):
+        if t["base"] in seen:
+            added.append(i)
+        seen.add(t["base"])
+    share = sorted(amber["grew"][i] / tasks[i]["raw"] for i in added)
+    share_c = sorted(amber["grew"][i] / tasks[i]["compressed"] for i in added)
+    dshare = sorted(dist["grew"][i] / tasks[i]["raw"] for i in added)
+    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
+    chunks = amber["chunks"] + amber["envs"]
+    lines = [
+        "## Storage for a corpus of task images (issue 6)",
+        "",
+        f"Corpus: {n} task images from `fixtures/corpus/generate.py --count {n} --seed 1`: {len(repos)} repositories",
+        f"({', '.join(repos)}) at releases, over {len(bases)} bases ({', '.join(bases)}); each image is the base's two",
+        "layers, an environment layer (the task's PyPI wheels or npm modules) and the repository's source tree at",
+        "that release in /testbed. Method: every image pushed in turn with skopeo, first all to distribution, then all",
+        "to amber (conversion on, each conversion awaited before the next push); after each image the growth of what",
+        "each stores is recorded (distribution: its blob directory; amber: the compressed bytes of the chunks it wrote,",
+        "`amber_chunk_bytes_written_total`).",
+        "",
+        "| stored | bytes | vs distribution |",
+        "|---|---|---|",
+        f"| raw: the images' uncompressed layers, summed image by image | {gib(raw)} | {raw / dist['stored']:.2f}x |",
+        f"| distribution: compressed layers, deduplicated by layer | {gib(dist['stored'])} | 1.00x |",
+        f"| amber: zstd chunks deduplicated by chunk, and block manifests | {gib(chunks)} | {chunks / dist['stored']:.2f}x |",
+        f"| amber, also keeping the pushed OCI blobs (for pulls) | {gib(chunks + amber['blobs'])} | {(chunks + amber['blobs']) / dist['stored']:.2f}x |",
+        "",
+        f"New bytes per added task image ({len(added)} images: all but the first image of each base), as a share of",
+        "the image's uncompressed size:",
+        "",
+        "| | median | 90th percentile | max |",
+        "|---|---|---|---|",
+        f"| amber (new chunk bytes) | {q(share, .5) * 100:.2f}% | {q(share, .9) * 100:.2f}% | {share[-1] * 100:.2f}% |",
+        f"| distribution (new layer bytes) | {q(dshare, .5) * 100:.2f}% | {q(dshare, .9) * 100:.2f}% | {dshare[-1] * 100:.2f}% |",
+        "",
+        f"As a share of the image's compressed size, amber's new bytes are {q(share_c, .5) * 100:.2f}% (median),",
+        f"{q(share_c, .9) * 100:.2f}% (90th percentile). Total push time for the corpus: distribution",
+        f"{dist['push_seconds']:.0f} s; amber {amber['push_seconds']:.0f} s including every conversion.",
+        "",
+        "Goals (issue 6): amber stores at most half of what distribution stores; an added task image costs at most 5%",
+        "of its size in new bytes.",
+        f"- store: amber's chunks are {chunks / dist['stored']:.2f} of distribution's layers, goal "
+        f"{'met' if chunks <= dist['stored'] / 2 else 'NOT met'}",
+        f"- added image: median {q(share, .5) * 100:.2f}%, 90th percentile {q(share, .9) * 100:.2f}% of its size, goal "
+        f"{'met' if q(share, .5) <= 0.05 else 'NOT met'} for the median, "
+        f"{'met' if q(share, .9) <= 0.05 else 'NOT met'} for the 90th percentile",
+        "",
+        "Per image (first 10 and last 10; all in the raw data below):",
+        "",
+        "| # | image | base | uncompressed | distribution new | amber new |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i in list(range(min(10, n))) + list(range(max(10, n - 10), n)):
+        t = tasks[i]
+        lines.append(f"| {i + 1} | {t['repository']} {t['version']} | {t['base']} | {mib(t['raw'])} | "
+                     f"{mib(dist['grew'][i])} | {mib(amber['grew'][i])} |")
+    lines += ["", "Raw data (bytes):", "", "```",
+              json.dumps({"per_image": [[t["ref"], t["raw"], t["compressed"], d, a] for t, d, a in
+                                        zip(tasks, dist["grew"], amber["grew"])]}), "```", ""]
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small image set, 3 runs")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot"], help="run one benchmark")
+    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus"], help="run one benchmark")
+    ap.add_argument("--corpus", type=int, help="task images in the corpus (default 200; 20 with --quick)")
     a = ap.parse_args()
     work = os.path.join(RUN, "bench")
     os.makedirs(work, exist_ok=True)
@@ -687,6 +819,10 @@ def main():
         print("boot: amber run -- true on a >1 GiB image", flush=True)
         res, fetched, device, stored, _ = bench_boot(work, a.runs)
         sections.append(boot_section(res, fetched, device, stored, a.runs))
+    if a.only in (None, "corpus"):
+        count = a.corpus or (20 if a.quick else 200)
+        print(f"storage: a corpus of {count} task images, distribution and amber", flush=True)
+        sections.append(corpus_section(bench_corpus(work, count)))
     command = "scripts/bench" + (" --quick" if a.quick else "")
     out = os.path.join(ROOT, "BENCHMARKS.md") if not (a.quick or a.only) else os.path.join(work, "BENCHMARKS.partial.md")
     write_report(out, sections, command)

@@ -36,6 +36,8 @@ pub const CONVERSIONS_STARTED: &str = "amber_conversions_started_total";
 pub const CONVERSIONS_FAILED: &str = "amber_conversions_failed_total";
 pub const CHUNKS_WRITTEN: &str = "amber_chunks_written_total";
 pub const CHUNKS_EXISTING: &str = "amber_chunks_existing_total";
+/// Compressed bytes of the chunks this registry wrote (the store's growth from conversions).
+pub const CHUNK_BYTES_WRITTEN: &str = "amber_chunk_bytes_written_total";
 
 /// Image config media types whose manifests are container images (others are artifacts).
 fn is_image_config(media_type: &str) -> bool {
@@ -211,6 +213,7 @@ fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io:
         .map_err(io::Error::other)?;
     reg.index.put_chunk(&name, size).map_err(io::Error::other)?;
     metrics::counter!(CHUNKS_WRITTEN).increment(1);
+    metrics::counter!(CHUNK_BYTES_WRITTEN).increment(size);
     Ok(())
 }
 
