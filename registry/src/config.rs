@@ -42,6 +42,7 @@ pub struct FileConfig {
     pub s3: Option<S3Config>,
     pub auth: Option<String>,
     pub users: Option<PathBuf>,
+    pub token_ttl_secs: Option<u64>,
     pub upload_ttl_secs: Option<u64>,
     pub max_manifest_bytes: Option<usize>,
     pub immutable_tags: Option<Vec<String>>,
@@ -82,11 +83,16 @@ pub struct ConfigArgs {
     pub s3_access_key_id: Option<String>,
     #[arg(long, env = "AMBER_S3_SECRET_ACCESS_KEY", hide_env_values = true)]
     pub s3_secret_access_key: Option<String>,
-    /// Authentication: none | basic | token.
+    /// Authentication: `none` (loopback only) or `token` (accounts of the users file,
+    /// with Basic auth and the Docker token flow at /token).
     #[arg(long, env = "AMBER_AUTH")]
     pub auth: Option<String>,
+    /// The users file (TOML `[[user]]` tables; `amber-registry user add` writes it).
     #[arg(long, env = "AMBER_USERS")]
     pub users: Option<PathBuf>,
+    /// Lifetime of the bearer tokens /token issues, in seconds.
+    #[arg(long, env = "AMBER_TOKEN_TTL_SECS")]
+    pub token_ttl_secs: Option<u64>,
     /// Seconds after its last request at which an abandoned upload session is removed.
     #[arg(long, env = "AMBER_UPLOAD_TTL_SECS")]
     pub upload_ttl_secs: Option<u64>,
@@ -111,6 +117,7 @@ pub struct Config {
     pub s3: S3Config,
     pub auth: String,
     pub users: Option<PathBuf>,
+    pub token_ttl_secs: u64,
     pub upload_ttl_secs: u64,
     pub max_manifest_bytes: usize,
     pub immutable_tags: Vec<String>,
@@ -126,6 +133,7 @@ impl Default for Config {
             s3: S3Config::default(),
             auth: "none".into(),
             users: None,
+            token_ttl_secs: 300,
             upload_ttl_secs: 24 * 3600,
             max_manifest_bytes: 4 * 1024 * 1024,
             immutable_tags: Vec::new(),
@@ -188,6 +196,10 @@ impl ConfigArgs {
             },
             auth: self.auth.clone().or(file.auth).unwrap_or(d.auth),
             users: self.users.clone().or(file.users),
+            token_ttl_secs: self
+                .token_ttl_secs
+                .or(file.token_ttl_secs)
+                .unwrap_or(d.token_ttl_secs),
             upload_ttl_secs: self
                 .upload_ttl_secs
                 .or(file.upload_ttl_secs)
@@ -206,13 +218,21 @@ impl ConfigArgs {
                 .or(file.convert_workers)
                 .unwrap_or(d.convert_workers),
         };
-        if cfg.auth != "none" {
-            return Err(ConfigError::Invalid(format!(
-                "auth {:?} is not available yet: only `none` is implemented (authentication is tracked by the security issue)",
-                cfg.auth
-            )));
+        match cfg.auth.as_str() {
+            "none" => {}
+            "token" if cfg.users.is_none() => {
+                return Err(ConfigError::Invalid(
+                    "auth `token` needs a users file (`users`, AMBER_USERS)".into(),
+                ))
+            }
+            "token" => {}
+            other => {
+                return Err(ConfigError::Invalid(format!(
+                    "auth {other:?} is not one of: none, token"
+                )))
+            }
         }
-        if !cfg.listen.ip().is_loopback() {
+        if cfg.auth == "none" && !cfg.listen.ip().is_loopback() {
             return Err(ConfigError::Invalid(format!(
                 "refusing to listen on {} without authentication: use a loopback address",
                 cfg.listen

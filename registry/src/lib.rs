@@ -7,6 +7,7 @@
 //! `api` (HTTP handlers), `config`, `metrics`, `error`, `fsck`, `reindex`, `server`.
 
 pub mod api;
+pub mod auth;
 pub mod config;
 pub mod convert;
 pub mod digest;

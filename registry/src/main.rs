@@ -23,6 +23,35 @@ enum Command {
     Fsck(ConfigArgs),
     /// Rebuild the index from the object store alone (new replica, lost index).
     Reindex(ConfigArgs),
+    /// Add accounts to the users file (a running registry picks them up).
+    #[command(subcommand)]
+    User(UserCommand),
+}
+
+#[derive(Subcommand)]
+enum UserCommand {
+    /// Add or replace a user; the password is the first line of standard input.
+    Add {
+        name: String,
+        /// The users file.
+        #[arg(long, env = "AMBER_USERS")]
+        users: std::path::PathBuf,
+        /// Repository prefix the user may pull (repeat; `*` for all).
+        #[arg(long)]
+        pull: Vec<String>,
+        /// Repository prefix the user may push and pull (repeat).
+        #[arg(long)]
+        push: Vec<String>,
+    },
+    /// Add or replace a pull-only robot for runners; prints its new token once.
+    Robot {
+        name: String,
+        #[arg(long, env = "AMBER_USERS")]
+        users: std::path::PathBuf,
+        /// Repository prefix the robot may pull (repeat; `*` for all).
+        #[arg(long, required = true)]
+        pull: Vec<String>,
+    },
 }
 
 fn init_logs() {
@@ -88,6 +117,59 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
                 "reindexed {} manifests, {} blobs, {} tags, {} conversions, {} chunks",
                 s.manifests, s.blobs, s.tags, s.conversions, s.chunks
             );
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Command::User(cmd) => {
+            use amber_registry::auth::{hash_secret, Account, UsersFile};
+            let (path, account, token) = match cmd {
+                UserCommand::Add {
+                    name,
+                    users,
+                    pull,
+                    push,
+                } => {
+                    let mut password = String::new();
+                    std::io::stdin().read_line(&mut password)?;
+                    let password = password.trim_end_matches(['\r', '\n']);
+                    anyhow::ensure!(!password.is_empty(), "no password on standard input");
+                    let account = Account {
+                        name,
+                        password: hash_secret(password),
+                        pull,
+                        push,
+                        robot: false,
+                    };
+                    (users, account, None)
+                }
+                UserCommand::Robot { name, users, pull } => {
+                    let token = format!(
+                        "amber_{}{}",
+                        uuid::Uuid::new_v4().simple(),
+                        uuid::Uuid::new_v4().simple()
+                    );
+                    let account = Account {
+                        name,
+                        password: hash_secret(&token),
+                        pull,
+                        push: Vec::new(),
+                        robot: true,
+                    };
+                    (users, account, Some(token))
+                }
+            };
+            anyhow::ensure!(
+                !account.name.is_empty() && !account.name.contains(':'),
+                "a user name may not be empty or contain ':'"
+            );
+            let mut file = UsersFile::load(&path)?;
+            let name = account.name.clone();
+            file.upsert(account);
+            file.save(&path)
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+            match token {
+                Some(t) => println!("{t}"),
+                None => eprintln!("user {name} saved in {}", path.display()),
+            }
             Ok(std::process::ExitCode::SUCCESS)
         }
         Command::Fsck(args) => {

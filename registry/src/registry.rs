@@ -50,6 +50,8 @@ pub struct Registry {
     sessions: Mutex<HashMap<String, SessionLock>>,
     /// Bounds the conversions running at once.
     pub convert_slots: Arc<tokio::sync::Semaphore>,
+    /// Accounts and tokens when authentication is on (`auth = "token"`).
+    pub auth: Option<crate::auth::Auth>,
 }
 
 pub fn now_unix() -> u64 {
@@ -67,6 +69,7 @@ impl Registry {
             index,
             store,
             sessions: Mutex::new(HashMap::new()),
+            auth: None,
         }
     }
 

@@ -20,7 +20,21 @@ pub async fn open(config: Config) -> anyhow::Result<Arc<Registry>> {
     let index = Index::open(&index_dir)
         .with_context(|| format!("opening index at {}", index_dir.display()))?;
     let store = open_store(&config).await?;
-    Ok(Arc::new(Registry::new(config, index, store)))
+    let auth = match (config.auth.as_str(), &config.users) {
+        ("token", Some(users)) => Some(
+            crate::auth::Auth::open(
+                users,
+                &config.data.join("auth").join("token.key"),
+                "amber".into(),
+                Duration::from_secs(config.token_ttl_secs),
+            )
+            .context("loading accounts")?,
+        ),
+        _ => None,
+    };
+    let mut reg = Registry::new(config, index, store);
+    reg.auth = auth;
+    Ok(Arc::new(reg))
 }
 
 /// Opens the configured object store.

@@ -64,10 +64,32 @@ pub async fn tags(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Res
     ))
 }
 
-pub async fn catalog(reg: &AppState, req: Request) -> ApiResult<Response> {
+/// `_catalog`, showing only the repositories `visible` accepts (the caller's pull rights).
+pub async fn catalog(
+    reg: &AppState,
+    req: Request,
+    visible: &(dyn Fn(&str) -> bool + Sync),
+) -> ApiResult<Response> {
     let (last, n) = page_params(&req)?;
     reg.refresh_catalog().await?;
-    let (repos, more) = reg.index.catalog(last.as_deref(), n)?;
+    let mut repos = Vec::new();
+    let mut cursor = last;
+    // More pages exist when one more visible repository follows the n collected.
+    let more = 'scan: loop {
+        let (page, page_more) = reg.index.catalog(cursor.as_deref(), n)?;
+        cursor = page.last().cloned();
+        for r in page {
+            if visible(&r) {
+                if repos.len() == n {
+                    break 'scan true;
+                }
+                repos.push(r);
+            }
+        }
+        if !page_more {
+            break false;
+        }
+    };
     let body = json!({"repositories": repos});
     Ok(paged("/v2/_catalog", body, &repos, more, n))
 }

@@ -3,6 +3,7 @@
 //! Repository names contain `/`, so every `/v2/` request goes through one dispatcher
 //! that parses the path with `names::Route` and picks the handler by method and route.
 
+mod access;
 mod amber;
 mod blobs;
 mod listing;
@@ -39,7 +40,13 @@ pub fn router(registry: AppState) -> Router {
 }
 
 async fn dispatch(State(reg): State<AppState>, req: Request) -> Response {
+    if req.uri().path() == "/token" {
+        return access::token(&reg, req).await;
+    }
     if req.uri().path().starts_with("/amber/") {
+        if let Err(refused) = access::check(&reg, &req, &access::need_of_amber(req.uri().path())) {
+            return refused.into_response();
+        }
         return amber::dispatch(&reg, req)
             .await
             .unwrap_or_else(IntoResponse::into_response);
@@ -49,9 +56,27 @@ async fn dispatch(State(reg): State<AppState>, req: Request) -> Response {
         Err(e) => return ApiError::from(e).into_response(),
     };
     let method = req.method().clone();
+    let principal = match access::check(&reg, &req, &access::need_of(&method, &route)) {
+        Ok(p) => p,
+        Err(refused) => return refused.into_response(),
+    };
+    // A cross-repository mount reads the source repository: without pull there, the
+    // mount is not attempted and the client gets a plain upload session (202).
+    let req = match (&route, &principal) {
+        (Route::UploadStart(_), Some(p)) => {
+            uploads::drop_unreadable_mount(req, |from| p.may(crate::auth::Action::Pull, from))
+        }
+        _ => req,
+    };
     let result = match (&method, route) {
         (&Method::GET | &Method::HEAD, Route::Base) => Ok(base()),
-        (&Method::GET, Route::Catalog) => listing::catalog(&reg, req).await,
+        (&Method::GET, Route::Catalog) => {
+            let visible = |repo: &str| match (&principal, &reg.auth) {
+                (Some(p), Some(auth)) => p.lists(auth, repo),
+                _ => true,
+            };
+            listing::catalog(&reg, req, &visible).await
+        }
         (&Method::GET, Route::Tags(name)) => listing::tags(&reg, name, req).await,
         (&Method::GET, Route::Referrers(name, d)) => listing::referrers(&reg, name, d, req).await,
         (&Method::GET | &Method::HEAD, Route::Manifest(name, r)) => {

@@ -82,6 +82,31 @@ pub fn parse_content_range(v: &str) -> Option<(u64, u64)> {
     (b >= a).then_some((a, b))
 }
 
+/// `req` without its `mount`/`from` parameters when the caller may not read `from`.
+pub fn drop_unreadable_mount(mut req: Request, readable: impl Fn(&str) -> bool) -> Request {
+    let q = query(&req);
+    match param(&q, "from") {
+        Some(from) if param(&q, "mount").is_some() && !readable(from) => {
+            let kept: Vec<_> = q
+                .iter()
+                .filter(|(k, _)| k != "mount" && k != "from")
+                .collect();
+            let qs = serde_urlencoded::to_string(kept).unwrap_or_default();
+            let path = req.uri().path().to_string();
+            let uri = if qs.is_empty() {
+                path
+            } else {
+                format!("{path}?{qs}")
+            };
+            if let Ok(u) = uri.parse() {
+                *req.uri_mut() = u;
+            }
+            req
+        }
+        _ => req,
+    }
+}
+
 pub async fn start(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Response> {
     let q = query(&req);
     if let Some(m) = param(&q, "mount") {
