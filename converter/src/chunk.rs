@@ -19,7 +19,10 @@ use crate::manifest::{ChunkId, Extent};
 
 pub const MAX_CHUNK: u64 = 1 << 20;
 pub const LARGE_FILE: u64 = 256 << 10;
-pub const PACK_BITS: u32 = 4;
+/// A pack ends after a file whose hash has this many low zero bits (about 4 small
+/// files a pack). Chosen by the corpus benchmark: 2 stores 4% less than 4 (a changed
+/// source file drags fewer neighbours into a new chunk), for three times the chunks.
+pub const PACK_BITS: u32 = 2;
 
 /// Receives every chunk of a device (it may already have some: chunks are immutable).
 pub trait ChunkSink {

@@ -29,6 +29,41 @@ use crate::registry::{now_unix, Registry};
 use crate::store::{ObjectKey, ObjectStore};
 
 pub const BLOCK_MANIFEST_TYPE: &str = "application/vnd.amber.block-manifest.v1+json";
+/// The referrer artifact's layer: the envelope JSON as one zstd frame.
+pub const BLOCK_MANIFEST_ZSTD_TYPE: &str = "application/vnd.amber.block-manifest.v1+json+zstd";
+/// zstd level of new chunks. Only chunks the store does not have yet are compressed, so
+/// a slower, tighter level costs little once a corpus shares its bases (corpus
+/// benchmark: level 9 stores 7% less than level 3).
+pub const CHUNK_ZSTD_LEVEL: i32 = 9;
+/// Largest envelope accepted when decompressing one (a 10 GiB device in 256 KiB
+/// extents is about 6 MiB of JSON).
+const MAX_ENVELOPE: usize = 256 << 20;
+
+/// The stored form of an envelope: its JSON as one zstd frame (a block manifest is
+/// mostly hex chunk ids; compressed it takes about a third).
+pub fn encode_envelope(json: &[u8]) -> std::io::Result<Bytes> {
+    Ok(Bytes::from(zstd::bulk::compress(json, 19)?))
+}
+
+/// The JSON of a stored envelope (zstd frame; JSON as stored before compression).
+pub fn decode_envelope(stored: &[u8]) -> std::io::Result<Vec<u8>> {
+    if stored.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        let mut out = Vec::new();
+        let mut d = zstd::stream::read::Decoder::new(stored)?;
+        std::io::Read::by_ref(&mut d)
+            .take(MAX_ENVELOPE as u64 + 1)
+            .read_to_end(&mut out)?;
+        if out.len() > MAX_ENVELOPE {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "envelope larger than 256 MiB",
+            ));
+        }
+        Ok(out)
+    } else {
+        Ok(stored.to_vec())
+    }
+}
 const EMPTY_TYPE: &str = "application/vnd.oci.empty.v1+json";
 pub const ENV_ANNOTATION: &str = "dev.amber.env-digest";
 
@@ -206,7 +241,7 @@ fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io:
         metrics::counter!(CHUNKS_EXISTING).increment(1);
         return Ok(());
     }
-    let compressed = zstd::bulk::compress(data, 3)?;
+    let compressed = zstd::bulk::compress(data, CHUNK_ZSTD_LEVEL)?;
     let size = compressed.len() as u64;
     handle
         .block_on(reg.store.put(&key, Bytes::from(compressed)))
@@ -269,7 +304,7 @@ fn convert_image(
             converter: format!("amber-registry {}", env!("CARGO_PKG_VERSION")),
         },
     };
-    let envelope_bytes = Bytes::from(serde_json::to_vec(&envelope)?);
+    let envelope_bytes = encode_envelope(&serde_json::to_vec(&envelope)?)?;
     handle.block_on(reg.store.put(&ObjectKey::env(&env), envelope_bytes.clone()))?;
     publish_referrer(
         reg,
@@ -313,7 +348,7 @@ fn publish_referrer(
         "mediaType": "application/vnd.oci.image.manifest.v1+json",
         "artifactType": BLOCK_MANIFEST_TYPE,
         "config": {"mediaType": EMPTY_TYPE, "digest": empty.to_string(), "size": empty_size},
-        "layers": [{"mediaType": BLOCK_MANIFEST_TYPE, "digest": env_blob.to_string(), "size": env_size}],
+        "layers": [{"mediaType": BLOCK_MANIFEST_ZSTD_TYPE, "digest": env_blob.to_string(), "size": env_size}],
         "subject": {"mediaType": image_type, "digest": image.to_string(), "size": image_size},
         "annotations": {ENV_ANNOTATION: env},
     });

@@ -108,7 +108,11 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
     for key in &env_keys {
         let name = key.as_str().rsplit('/').next().unwrap_or("");
         let bytes = reg.store.read_all(key).await?;
-        let actual = serde_json::from_slice::<ManifestEnvelope>(&bytes)
+        let actual = crate::convert::decode_envelope(&bytes)
+            .map_err(|e| e.to_string())
+            .and_then(|json| {
+                serde_json::from_slice::<ManifestEnvelope>(&json).map_err(|e| e.to_string())
+            })
             .map(|e| e.manifest.env_digest().hex());
         if actual.as_deref().ok() != Some(name) {
             let actual = actual.unwrap_or_else(|e| format!("unparsable envelope: {e}"));

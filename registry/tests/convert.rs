@@ -246,14 +246,21 @@ async fn the_block_manifest_is_a_referrer_of_the_image() {
         .unwrap();
     assert_eq!(art["subject"]["digest"], image);
     let blob = art["layers"][0]["digest"].as_str().unwrap();
-    let envelope: ManifestEnvelope = client()
+    // ... as one zstd frame (its media type says so).
+    assert_eq!(
+        art["layers"][0]["mediaType"],
+        "application/vnd.amber.block-manifest.v1+json+zstd"
+    );
+    let stored = client()
         .get(s.url(&format!("/v2/conv/ref/blobs/{blob}")))
         .send()
         .await
         .unwrap()
-        .json()
+        .bytes()
         .await
         .unwrap();
+    let envelope: ManifestEnvelope =
+        serde_json::from_slice(&zstd::stream::decode_all(&stored[..]).unwrap()).unwrap();
     assert_eq!(envelope.env_digest.to_string(), env);
     assert_eq!(
         envelope.provenance.image.as_deref(),

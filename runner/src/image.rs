@@ -63,7 +63,7 @@ async fn get_json(http: &reqwest::Client, url: &str, accept: &str) -> anyhow::Re
 
 /// Resolves `reference`; waits for the registry to finish converting the image.
 pub async fn resolve(registry: &str, reference: &str, wait: Duration) -> anyhow::Result<Resolved> {
-    let http = reqwest::Client::new();
+    let http = amber_snapshotter::source::registry_client(Duration::from_secs(300));
     if reference.starts_with("blake3:") {
         let env: EnvDigest = reference.parse()?;
         return Ok(Resolved {

@@ -114,10 +114,7 @@ struct GuestRepo {
 impl GuestRepo {
     fn new(registry: &str) -> GuestRepo {
         GuestRepo {
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(300))
-                .build()
-                .expect("http client"),
+            http: amber_snapshotter::source::registry_client(Duration::from_secs(300)),
             base: format!("{registry}/v2/{GUEST_REPO}"),
         }
     }

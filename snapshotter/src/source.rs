@@ -43,13 +43,34 @@ pub struct RegistrySource {
     http: reqwest::Client,
 }
 
+/// Environment variable with the registry credentials `name:secret` (a robot's token
+/// for runners), sent as Basic auth on every request when the registry has auth on.
+pub const CREDENTIALS_ENV: &str = "AMBER_REGISTRY_CREDENTIALS";
+
+/// An HTTP client for the registry: timeouts, and the credentials of
+/// `AMBER_REGISTRY_CREDENTIALS` (if set) on every request. reqwest drops them on a
+/// redirect to another host (presigned S3 URLs need none).
+pub fn registry_client(timeout: std::time::Duration) -> reqwest::Client {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Ok(creds) = std::env::var(CREDENTIALS_ENV) {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(creds.trim());
+        if let Ok(mut v) = reqwest::header::HeaderValue::from_str(&format!("Basic {b64}")) {
+            v.set_sensitive(true);
+            headers.insert(reqwest::header::AUTHORIZATION, v);
+        }
+    }
+    reqwest::Client::builder()
+        .connect_timeout(std::time::Duration::from_secs(10))
+        .timeout(timeout)
+        .default_headers(headers)
+        .build()
+        .expect("HTTP client")
+}
+
 impl RegistrySource {
     pub fn new(base: &str) -> RegistrySource {
-        let http = reqwest::Client::builder()
-            .connect_timeout(std::time::Duration::from_secs(10))
-            .timeout(std::time::Duration::from_secs(300))
-            .build()
-            .expect("HTTP client");
+        let http = registry_client(std::time::Duration::from_secs(300));
         RegistrySource {
             base: base.trim_end_matches('/').to_string(),
             http,

@@ -121,6 +121,8 @@ async fn env_manifest(reg: &AppState, env: EnvDigest) -> ApiResult<Response> {
         }
         Err(e) => return Err(e.into()),
     };
+    let bytes = crate::convert::decode_envelope(&bytes)
+        .map_err(|e| ApiError::internal(&format!("envelope of {env}"), e))?;
     Ok((
         StatusCode::OK,
         [
