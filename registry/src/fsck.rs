@@ -1,6 +1,7 @@
 //! `amber-registry fsck`: re-hashes every stored object (blobs by their OCI digest,
 //! chunks by blake3 of their decompressed bytes, block manifests by their env digest) and
-//! checks the index against the store. Reports problems; changes nothing.
+//! checks the index against the store. Reports problems and changes nothing; `repair`
+//! then removes only unreferenced partial data (staged uploads no session refers to).
 
 use amber_converter::manifest::{ChunkId, ManifestEnvelope};
 use futures_util::StreamExt;
@@ -23,6 +24,9 @@ pub enum Problem {
         indexed: u64,
         stored: u64,
     },
+    /// Staged upload data no upload session refers to (left by a crash or an expiry
+    /// that did not finish).
+    OrphanStaging { id: String, bytes: u64 },
 }
 
 impl std::fmt::Display for Problem {
@@ -32,6 +36,10 @@ impl std::fmt::Display for Problem {
                 write!(f, "object {key} is corrupt: its bytes hash to {actual}")
             }
             Problem::UnexpectedObject { key } => write!(f, "object {key} is not named by a digest"),
+            Problem::OrphanStaging { id, bytes } => write!(
+                f,
+                "staged upload data {id} ({bytes} bytes) belongs to no upload session"
+            ),
             Problem::MissingObject { digest } => {
                 write!(f, "indexed blob {digest} is missing from the store")
             }
@@ -135,5 +143,38 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
             Some(_) => {}
         }
     }
-    Ok((keys.len() + chunk_keys.len() + env_keys.len(), problems))
+    let staged = reg.store.list_staged().await?;
+    for id in &staged {
+        if reg.index.upload(id)?.is_none() {
+            let bytes = reg.store.staged_len(id).await?.unwrap_or(0);
+            problems.push(Problem::OrphanStaging {
+                id: id.clone(),
+                bytes,
+            });
+        }
+    }
+    Ok((
+        keys.len() + chunk_keys.len() + env_keys.len() + staged.len(),
+        problems,
+    ))
+}
+
+/// Removes what `check` found that is unreferenced partial data; returns what was
+/// removed. Everything else (a corrupt or missing object) needs a person: it is left
+/// as it is. Over a shared bucket another replica's sessions are not in this index, so
+/// nothing is removed there.
+pub async fn repair(reg: &Registry, problems: &[Problem]) -> anyhow::Result<Vec<String>> {
+    if reg.config.storage == crate::config::StorageKind::S3 {
+        anyhow::bail!(
+            "fsck --repair works on local storage only: over S3 other replicas' upload sessions are not in this index (they expire on their own)"
+        );
+    }
+    let mut removed = Vec::new();
+    for p in problems {
+        if let Problem::OrphanStaging { id, .. } = p {
+            reg.store.remove_staged(id).await?;
+            removed.push(format!("staged upload data {id}"));
+        }
+    }
+    Ok(removed)
 }

@@ -19,8 +19,15 @@ struct Cli {
 enum Command {
     /// Serve the OCI Distribution API and the amber API.
     Serve(ConfigArgs),
-    /// Verify every stored object's hash and the index against the store; changes nothing.
-    Fsck(ConfigArgs),
+    /// Verify every stored object's hash and the index against the store; changes nothing
+    /// unless --repair is given.
+    Fsck {
+        #[command(flatten)]
+        config: ConfigArgs,
+        /// Remove unreferenced partial data (staged uploads of no session); nothing else.
+        #[arg(long)]
+        repair: bool,
+    },
     /// Rebuild the index from the object store alone (new replica, lost index).
     Reindex(ConfigArgs),
     /// Add accounts to the users file (a running registry picks them up).
@@ -172,13 +179,26 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             }
             Ok(std::process::ExitCode::SUCCESS)
         }
-        Command::Fsck(args) => {
-            let reg = amber_registry::server::open(args.resolve()?).await?;
+        Command::Fsck { config, repair } => {
+            let reg = amber_registry::server::open(config.resolve()?).await?;
             let (checked, problems) = amber_registry::fsck::check(&reg).await?;
             for p in &problems {
                 println!("problem: {p}");
             }
             println!("checked {checked} objects, {} problems", problems.len());
+            if repair {
+                let removed = amber_registry::fsck::repair(&reg, &problems).await?;
+                for r in &removed {
+                    println!("removed: {r}");
+                }
+                println!("repaired {} of {} problems", removed.len(), problems.len());
+                let left = problems.len() - removed.len();
+                return Ok(if left == 0 {
+                    std::process::ExitCode::SUCCESS
+                } else {
+                    std::process::ExitCode::FAILURE
+                });
+            }
             Ok(if problems.is_empty() {
                 std::process::ExitCode::SUCCESS
             } else {

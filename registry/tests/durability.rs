@@ -362,3 +362,77 @@ async fn fsck_reports_a_corrupted_object() {
     );
     assert!(stdout.contains("1 problems"), "{stdout}");
 }
+
+#[tokio::test]
+async fn fsck_repair_removes_only_orphaned_staged_uploads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = Server::start_in(tmp.path(), &[]);
+    // A live session with 5 bytes acknowledged.
+    let r = client()
+        .post(s.url("/v2/fsck/live/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let location = header(&r, "location");
+    let r = client()
+        .patch(s.url(&location))
+        .body("12345")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    drop(s);
+    // What a crash can leave: staged bytes whose session record is gone.
+    let orphan = tmp.path().join("store/_staging/0000dead-beef");
+    std::fs::write(&orphan, b"orphan bytes").unwrap();
+    let fsck = |repair: bool| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_amber-registry"));
+        c.args(["fsck", "--data"]).arg(tmp.path());
+        if repair {
+            c.arg("--repair");
+        }
+        let out = c.output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    };
+    let (ok, out) = fsck(false);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("staged upload data 0000dead-beef (12 bytes) belongs to no upload session"),
+        "{out}"
+    );
+    assert!(out.contains(", 1 problems"), "{out}");
+    assert!(orphan.exists(), "fsck without --repair changes nothing");
+    let (ok, out) = fsck(true);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("removed: staged upload data 0000dead-beef"),
+        "{out}"
+    );
+    assert!(!orphan.exists());
+    let (ok, out) = fsck(false);
+    assert!(ok, "{out}");
+    // The live session was left alone: it resumes and completes after a restart.
+    let s = Server::start_in(tmp.path(), &[]);
+    let r = client().get(s.url(&location)).send().await.unwrap();
+    assert_eq!(r.status(), 204);
+    assert_eq!(header(&r, "range"), "0-4");
+    let whole = b"123456789";
+    let d = sha256(whole);
+    let r = client()
+        .put(s.url(&format!("{location}?digest={d}")))
+        .body(&whole[5..])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    let r = client()
+        .get(s.url(&format!("/v2/fsck/live/blobs/{d}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(&r.bytes().await.unwrap()[..], whole);
+}

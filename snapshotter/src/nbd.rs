@@ -10,8 +10,9 @@
 
 use std::sync::Arc;
 
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixListener;
 use tokio::sync::Mutex;
 
 use crate::device::LazyDevice;
@@ -90,7 +91,12 @@ fn tflags() -> u16 {
     TFLAG_HAS_FLAGS | TFLAG_READ_ONLY | TFLAG_SEND_FLUSH | TFLAG_CAN_MULTI_CONN
 }
 
-async fn opt_reply(c: &mut UnixStream, opt: u32, kind: u32, data: &[u8]) -> std::io::Result<()> {
+async fn opt_reply<S: AsyncWrite + Unpin>(
+    c: &mut S,
+    opt: u32,
+    kind: u32,
+    data: &[u8],
+) -> std::io::Result<()> {
     let mut b = Vec::with_capacity(20 + data.len());
     b.extend_from_slice(&OPT_REPLY_MAGIC.to_be_bytes());
     b.extend_from_slice(&opt.to_be_bytes());
@@ -101,8 +107,8 @@ async fn opt_reply(c: &mut UnixStream, opt: u32, kind: u32, data: &[u8]) -> std:
 }
 
 /// One client: handshake, then transmission until NBD_CMD_DISC or EOF.
-pub async fn handle(
-    mut c: UnixStream,
+pub async fn handle<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
+    mut c: S,
     name: &str,
     device: Arc<LazyDevice>,
 ) -> Result<(), NbdError> {
@@ -194,8 +200,11 @@ pub async fn handle(
     transmission(c, device).await
 }
 
-async fn transmission(c: UnixStream, device: Arc<LazyDevice>) -> Result<(), NbdError> {
-    let (mut r, w) = c.into_split();
+async fn transmission<S: AsyncRead + AsyncWrite + Send + 'static>(
+    c: S,
+    device: Arc<LazyDevice>,
+) -> Result<(), NbdError> {
+    let (mut r, w) = tokio::io::split(c);
     let w = Arc::new(Mutex::new(w));
     let mut tasks = tokio::task::JoinSet::new();
     loop {
@@ -258,8 +267,8 @@ async fn transmission(c: UnixStream, device: Arc<LazyDevice>) -> Result<(), NbdE
     Ok(())
 }
 
-async fn reply(
-    w: &Mutex<tokio::net::unix::OwnedWriteHalf>,
+async fn reply<W: AsyncWrite>(
+    w: &Mutex<tokio::io::WriteHalf<W>>,
     cookie: u64,
     err: u32,
     data: Option<&[u8]>,

@@ -10,6 +10,8 @@ mod listing;
 pub mod manifests;
 mod uploads;
 
+pub use uploads::parse_content_range;
+
 use std::sync::Arc;
 use std::time::Instant;
 
