@@ -71,7 +71,28 @@ pub fn convert<'a, 's, S: Read + Write + Seek>(
     raw: Option<&'s mut dyn RawSink>,
     progress: &mut dyn FnMut(&str),
 ) -> Result<Converted, ConvertError> {
+    convert_with_limits(
+        layers,
+        scratch,
+        sink,
+        raw,
+        progress,
+        tree::Limits::default(),
+    )
+}
+
+/// `convert` within `limits` (entry count, deadline): past them it stops with
+/// `TreeError::Limit`.
+pub fn convert_with_limits<'a, 's, S: Read + Write + Seek>(
+    layers: impl IntoIterator<Item = LayerInput<'a>>,
+    scratch: &mut S,
+    sink: &'s mut dyn ChunkSink,
+    raw: Option<&'s mut dyn RawSink>,
+    progress: &mut dyn FnMut(&str),
+    limits: tree::Limits,
+) -> Result<Converted, ConvertError> {
     let mut t = tree::Tree::new();
+    t.limits = limits;
     let mut diff_ids = Vec::new();
     let mut layer_bytes = 0;
     let mut scratch_len = scratch

@@ -87,10 +87,31 @@ pub enum TreeError {
     },
     #[error("writing the scratch file: {0}")]
     Scratch(#[source] io::Error),
+    #[error("layer {layer}: {limit}")]
+    Limit { layer: String, limit: String },
+}
+
+/// Bounds on one conversion, so a hostile image cannot hold a converter forever.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Most inodes the merged tree may hold.
+    pub max_entries: u64,
+    /// When the conversion must have finished.
+    pub deadline: Option<std::time::Instant>,
+}
+
+impl Default for Limits {
+    fn default() -> Limits {
+        Limits {
+            max_entries: u64::MAX,
+            deadline: None,
+        }
+    }
 }
 
 pub struct Tree {
     pub inodes: Vec<Inode>,
+    pub limits: Limits,
 }
 
 fn root_meta() -> Meta {
@@ -143,6 +164,7 @@ impl Tree {
                 },
                 meta: root_meta(),
             }],
+            limits: Limits::default(),
         }
     }
 
@@ -205,6 +227,25 @@ impl Tree {
                 source,
             })?;
             last = String::from_utf8_lossy(&entry.path_bytes()).into_owned();
+            if self.inodes.len() as u64 > self.limits.max_entries {
+                return Err(TreeError::Limit {
+                    layer: name.to_string(),
+                    limit: format!(
+                        "the image has more than {} entries (max_image_entries)",
+                        self.limits.max_entries
+                    ),
+                });
+            }
+            if self
+                .limits
+                .deadline
+                .is_some_and(|d| std::time::Instant::now() > d)
+            {
+                return Err(TreeError::Limit {
+                    layer: name.to_string(),
+                    limit: "the conversion ran out of time (max_convert_secs)".into(),
+                });
+            }
             self.apply_entry(&mut st, &mut entry, &last, scratch, scratch_len, &mut buf)?;
         }
         self.finish_layer(&st);

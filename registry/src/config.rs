@@ -43,6 +43,12 @@ pub struct FileConfig {
     pub auth: Option<String>,
     pub users: Option<PathBuf>,
     pub token_ttl_secs: Option<u64>,
+    pub header_timeout_secs: Option<u64>,
+    pub idle_timeout_secs: Option<u64>,
+    pub max_blob_bytes: Option<u64>,
+    pub max_concurrent_uploads: Option<usize>,
+    pub max_convert_secs: Option<u64>,
+    pub max_image_entries: Option<u64>,
     pub upload_ttl_secs: Option<u64>,
     pub max_manifest_bytes: Option<usize>,
     pub immutable_tags: Option<Vec<String>>,
@@ -93,6 +99,24 @@ pub struct ConfigArgs {
     /// Lifetime of the bearer tokens /token issues, in seconds.
     #[arg(long, env = "AMBER_TOKEN_TTL_SECS")]
     pub token_ttl_secs: Option<u64>,
+    /// Seconds a client has to send a request's headers.
+    #[arg(long, env = "AMBER_HEADER_TIMEOUT_SECS")]
+    pub header_timeout_secs: Option<u64>,
+    /// Longest pause, in seconds, in reading from or writing to a connection.
+    #[arg(long, env = "AMBER_IDLE_TIMEOUT_SECS")]
+    pub idle_timeout_secs: Option<u64>,
+    /// Largest blob a client may upload, in bytes.
+    #[arg(long, env = "AMBER_MAX_BLOB_BYTES")]
+    pub max_blob_bytes: Option<u64>,
+    /// Upload requests (PATCH, PUT and single-request POST) served at once; more get 429.
+    #[arg(long, env = "AMBER_MAX_CONCURRENT_UPLOADS")]
+    pub max_concurrent_uploads: Option<usize>,
+    /// Longest conversion of one image, in seconds; longer ones fail.
+    #[arg(long, env = "AMBER_MAX_CONVERT_SECS")]
+    pub max_convert_secs: Option<u64>,
+    /// Most file system entries in one converted image.
+    #[arg(long, env = "AMBER_MAX_IMAGE_ENTRIES")]
+    pub max_image_entries: Option<u64>,
     /// Seconds after its last request at which an abandoned upload session is removed.
     #[arg(long, env = "AMBER_UPLOAD_TTL_SECS")]
     pub upload_ttl_secs: Option<u64>,
@@ -118,6 +142,12 @@ pub struct Config {
     pub auth: String,
     pub users: Option<PathBuf>,
     pub token_ttl_secs: u64,
+    pub header_timeout_secs: u64,
+    pub idle_timeout_secs: u64,
+    pub max_blob_bytes: u64,
+    pub max_concurrent_uploads: usize,
+    pub max_convert_secs: u64,
+    pub max_image_entries: u64,
     pub upload_ttl_secs: u64,
     pub max_manifest_bytes: usize,
     pub immutable_tags: Vec<String>,
@@ -134,6 +164,12 @@ impl Default for Config {
             auth: "none".into(),
             users: None,
             token_ttl_secs: 300,
+            header_timeout_secs: 30,
+            idle_timeout_secs: 120,
+            max_blob_bytes: 64 << 30,
+            max_concurrent_uploads: 256,
+            max_convert_secs: 3600,
+            max_image_entries: 10_000_000,
             upload_ttl_secs: 24 * 3600,
             max_manifest_bytes: 4 * 1024 * 1024,
             immutable_tags: Vec::new(),
@@ -200,6 +236,30 @@ impl ConfigArgs {
                 .token_ttl_secs
                 .or(file.token_ttl_secs)
                 .unwrap_or(d.token_ttl_secs),
+            header_timeout_secs: self
+                .header_timeout_secs
+                .or(file.header_timeout_secs)
+                .unwrap_or(d.header_timeout_secs),
+            idle_timeout_secs: self
+                .idle_timeout_secs
+                .or(file.idle_timeout_secs)
+                .unwrap_or(d.idle_timeout_secs),
+            max_blob_bytes: self
+                .max_blob_bytes
+                .or(file.max_blob_bytes)
+                .unwrap_or(d.max_blob_bytes),
+            max_concurrent_uploads: self
+                .max_concurrent_uploads
+                .or(file.max_concurrent_uploads)
+                .unwrap_or(d.max_concurrent_uploads),
+            max_convert_secs: self
+                .max_convert_secs
+                .or(file.max_convert_secs)
+                .unwrap_or(d.max_convert_secs),
+            max_image_entries: self
+                .max_image_entries
+                .or(file.max_image_entries)
+                .unwrap_or(d.max_image_entries),
             upload_ttl_secs: self
                 .upload_ttl_secs
                 .or(file.upload_ttl_secs)

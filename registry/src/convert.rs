@@ -292,7 +292,20 @@ fn convert_image(
         threads,
         Arc::new(move |id, data: &[u8]| store_chunk(&sink_reg, &sink_handle, id, data)),
     );
-    let out = amber_converter::convert(inputs, &mut scratch, &mut sink, None, &mut |_| {})?;
+    let limits = amber_converter::tree::Limits {
+        max_entries: reg.config.max_image_entries,
+        deadline: Some(
+            std::time::Instant::now() + std::time::Duration::from_secs(reg.config.max_convert_secs),
+        ),
+    };
+    let out = amber_converter::convert_with_limits(
+        inputs,
+        &mut scratch,
+        &mut sink,
+        None,
+        &mut |_| {},
+        limits,
+    )?;
     sink.finish()?;
     let env = out.manifest.env_digest();
     let envelope = ManifestEnvelope {

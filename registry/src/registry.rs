@@ -52,6 +52,8 @@ pub struct Registry {
     pub convert_slots: Arc<tokio::sync::Semaphore>,
     /// Accounts and tokens when authentication is on (`auth = "token"`).
     pub auth: Option<crate::auth::Auth>,
+    /// Bounds the upload requests served at once (`max_concurrent_uploads`).
+    pub upload_slots: Arc<tokio::sync::Semaphore>,
 }
 
 pub fn now_unix() -> u64 {
@@ -65,6 +67,7 @@ impl Registry {
     pub fn new(config: Config, index: Index, store: Arc<dyn ObjectStore>) -> Registry {
         Registry {
             convert_slots: Arc::new(tokio::sync::Semaphore::new(config.convert_workers.max(1))),
+            upload_slots: Arc::new(tokio::sync::Semaphore::new(config.max_concurrent_uploads)),
             config,
             index,
             store,

@@ -92,10 +92,79 @@ pub async fn serve(reg: Arc<Registry>, listener: TcpListener) -> anyhow::Result<
     let addr = listener.local_addr()?;
     println!("listening on {addr}");
     tracing::info!(%addr, data = %reg.config.data.display(), "amber-registry serving");
-    axum::serve(listener, crate::api::router(reg))
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("serving HTTP")
+    let limits = ConnLimits {
+        header: Duration::from_secs(reg.config.header_timeout_secs),
+        idle: Duration::from_secs(reg.config.idle_timeout_secs),
+    };
+    serve_http(listener, crate::api::router(reg), limits).await
+}
+
+/// Per-connection limits: a slow client cannot hold the server.
+struct ConnLimits {
+    /// Time to send a request's headers, from the first byte.
+    header: Duration,
+    /// Longest pause in reading or writing a connection (a stalled body, an idle
+    /// keep-alive connection, a client that stops reading a download).
+    idle: Duration,
+}
+
+/// The HTTP/1.1 + HTTP/2 accept loop with header and idle timeouts, until SIGINT or
+/// SIGTERM; then open connections finish their requests (up to 30 s).
+async fn serve_http(
+    listener: TcpListener,
+    app: axum::Router,
+    limits: ConnLimits,
+) -> anyhow::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto::Builder;
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(limits.idle / 2))
+        .keep_alive_timeout(limits.idle / 2);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            conn = listener.accept() => match conn {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors and the like: keep serving the others.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let mut stream = tokio_io_timeout::TimeoutStream::new(stream);
+        stream.set_read_timeout(Some(limits.idle));
+        stream.set_write_timeout(Some(limits.idle));
+        let io = TokioIo::new(Box::pin(stream));
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = builder.serve_connection_with_upgrades(io, svc).into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "connection ended");
+            }
+        });
+    }
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(Duration::from_secs(30)) => {
+            tracing::warn!("connections still open after 30 s; closing them");
+        }
+    }
+    Ok(())
 }
 
 async fn shutdown_signal() {

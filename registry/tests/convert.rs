@@ -359,6 +359,24 @@ async fn a_hostile_layer_fails_its_conversion_with_a_clear_error() {
 }
 
 #[tokio::test]
+async fn an_image_past_the_entry_limit_fails_its_conversion() {
+    let s = Server::start(&["--max-image-entries", "5"]);
+    let names: Vec<String> = (0..10).map(|i| format!("f{i}")).collect();
+    let files: Vec<(&str, &[u8])> = names.iter().map(|n| (n.as_str(), &b"x"[..])).collect();
+    push_image(&s, "conv/many", "v1", &[(layer_tar(&files), TAR)]).await;
+    let v = settled(&s, "conv/many", "v1").await;
+    assert_eq!(v["state"], "failed");
+    let err = v["error"].as_str().unwrap();
+    assert!(
+        err.contains("more than 5 entries (max_image_entries)"),
+        "{err}"
+    );
+    // An image within the limit converts on the same registry.
+    push_image(&s, "conv/few", "v1", &[(layer_tar(&files[..3]), TAR)]).await;
+    assert_eq!(settled(&s, "conv/few", "v1").await["state"], "done");
+}
+
+#[tokio::test]
 async fn amber_api_bad_requests_and_chunk_ranges() {
     let s = Server::start(&[]);
     let c = client();

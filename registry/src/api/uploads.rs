@@ -6,6 +6,9 @@
 //! the staged bytes up to it are durable; a request that fails mid-stream leaves the
 //! staged data cut back to the acknowledged offset.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use axum::extract::Request;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -17,7 +20,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::index::UploadSession;
 use crate::names::RepoName;
 use crate::registry::{now_unix, HashState};
-use crate::store::{ObjectKey, StoreError};
+use crate::store::{ByteStream, ObjectKey, StoreError};
 
 fn location(name: &RepoName, id: &str) -> String {
     format!("/v2/{name}/blobs/uploads/{id}")
@@ -249,6 +252,22 @@ async fn append(
         }
         expect_len = Some(n);
     }
+    let max = reg.config.max_blob_bytes;
+    let room = max.saturating_sub(s.offset);
+    if let Some(n) = expect_len.or(declared_len).filter(|&n| n > room) {
+        return Err(too_large(max, s.offset, n));
+    }
+    let Ok(_slot) = reg.upload_slots.clone().try_acquire_owned() else {
+        return Err(ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "TOOMANYREQUESTS",
+            format!(
+                "{} uploads are in progress (max_concurrent_uploads); retry",
+                reg.config.max_concurrent_uploads
+            ),
+        )
+        .with_header(header::RETRY_AFTER, "1"));
+    };
     // Staged bytes past the acknowledged offset belong to a request that never finished.
     match reg.store.staged_len(id).await? {
         Some(len) if len != s.offset => {
@@ -266,16 +285,22 @@ async fn append(
     } else {
         state.take().filter(|h| h.hashed == s.offset)
     };
+    let exceeded = Arc::new(AtomicBool::new(false));
     metrics::gauge!(crate::metrics::UPLOADS_IN_FLIGHT).increment(1.0);
     let res = reg
         .store
-        .append_staged(id, s.offset, request_stream(req), &mut |chunk: &[u8]| {
-            if let Some(h) = hs.as_mut() {
-                h.hasher.update(chunk);
-                h.hashed += chunk.len() as u64;
-            }
-            metrics::counter!(crate::metrics::BYTES_IN).increment(chunk.len() as u64);
-        })
+        .append_staged(
+            id,
+            s.offset,
+            limited(request_stream(req), room, &exceeded),
+            &mut |chunk: &[u8]| {
+                if let Some(h) = hs.as_mut() {
+                    h.hasher.update(chunk);
+                    h.hashed += chunk.len() as u64;
+                }
+                metrics::counter!(crate::metrics::BYTES_IN).increment(chunk.len() as u64);
+            },
+        )
         .await;
     metrics::gauge!(crate::metrics::UPLOADS_IN_FLIGHT).decrement(1.0);
     let written = match res {
@@ -284,6 +309,9 @@ async fn append(
             *state = None;
             let _ = reg.store.truncate_staged(id, s.offset).await;
             return Err(match e {
+                StoreError::Body(_) if exceeded.load(Ordering::Relaxed) => {
+                    too_large(max, s.offset, room + 1)
+                }
                 StoreError::Body(err) => ApiError::upload_invalid(format!(
                     "the request body ended early ({err}); the upload keeps its first {} bytes, resume from there",
                     s.offset
@@ -305,6 +333,32 @@ async fn append(
     reg.index.put_upload(id, s)?;
     *state = hs;
     Ok(())
+}
+
+/// 413 for an upload that would pass `max_blob_bytes`; the session keeps `offset`.
+fn too_large(max: u64, offset: u64, more: u64) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "SIZE_INVALID",
+        format!(
+            "the blob would pass {max} bytes (max_blob_bytes): it has {offset} and {more} more were sent; the upload keeps its first {offset} bytes"
+        ),
+    )
+}
+
+/// `body` cut off with an error (and `exceeded` set) past `room` bytes.
+fn limited(body: ByteStream, room: u64, exceeded: &Arc<AtomicBool>) -> ByteStream {
+    let exceeded = exceeded.clone();
+    let mut seen = 0u64;
+    Box::pin(body.map(move |r| {
+        let b = r?;
+        seen += b.len() as u64;
+        if seen > room {
+            exceeded.store(true, Ordering::Relaxed);
+            return Err(std::io::Error::other("the blob passes max_blob_bytes"));
+        }
+        Ok(b)
+    }))
 }
 
 /// Verifies the staged bytes against `digest` and publishes them as the blob.
