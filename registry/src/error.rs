@@ -2,7 +2,8 @@
 //! JSON body `{"errors":[{"code","message","detail"}]}`.
 //!
 //! Client mistakes map to 4xx with the spec's code; only failures of the registry itself
-//! are 5xx, and those are logged with their cause: 503 with `Retry-After` when the object
+//! are 5xx, and those are logged with their cause: 507 with `Retry-After` when the disk is
+//! full, 503 with `Retry-After` when the object
 //! store does not answer (retrying is safe), 500 for anything else (a corrupt index).
 
 use axum::http::{header, HeaderValue, StatusCode};
@@ -121,6 +122,18 @@ impl From<IndexError> for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> ApiError {
         match e {
+            // A full disk: nothing was acknowledged; retry once space is freed.
+            StoreError::Io { ref source, .. }
+                if source.kind() == std::io::ErrorKind::StorageFull =>
+            {
+                tracing::error!(err = %e, "storage full");
+                ApiError::new(
+                    StatusCode::INSUFFICIENT_STORAGE,
+                    "INSUFFICIENT_STORAGE",
+                    format!("the registry's storage is full, retry later: {e}"),
+                )
+                .with_header(header::RETRY_AFTER, "60")
+            }
             // The store did not answer (S3 down, timeouts after retries): nothing was
             // acknowledged, so the client may retry the same request.
             StoreError::Io { .. } => {
