@@ -158,7 +158,7 @@ async fn sigkill_loop_loses_no_acknowledged_push_and_fsck_finds_nothing() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(20);
     let tmp = tempfile::tempdir().unwrap();
-    let mut rng = Rng(0x616d_6265_72);
+    let mut rng = Rng(0x0061_6d62_6572);
     let mut blobs_acked: Vec<(String, Vec<u8>)> = Vec::new();
     let mut manifests_acked: Vec<(String, String)> = Vec::new();
     for cycle in 0..cycles {
