@@ -47,23 +47,23 @@ pub fn encode_envelope(json: &[u8]) -> std::io::Result<Bytes> {
 
 /// The JSON of a stored envelope (zstd frame; JSON as stored before compression).
 pub fn decode_envelope(stored: &[u8]) -> std::io::Result<Vec<u8>> {
-    if stored.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
-        let mut out = Vec::new();
-        let mut d = zstd::stream::read::Decoder::new(stored)?;
-        std::io::Read::by_ref(&mut d)
-            .take(MAX_ENVELOPE as u64 + 1)
-            .read_to_end(&mut out)?;
-        if out.len() > MAX_ENVELOPE {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "envelope larger than 256 MiB",
-            ));
-        }
-        Ok(out)
-    } else {
-        Ok(stored.to_vec())
+    if !stored.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        return Ok(stored.to_vec());
     }
+    // Streamed with a bound: a frame's declared size is not trusted for an allocation.
+    let mut out = Vec::new();
+    zstd::stream::read::Decoder::new(stored)?
+        .take(MAX_ENVELOPE as u64 + 1)
+        .read_to_end(&mut out)?;
+    if out.len() > MAX_ENVELOPE {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "envelope larger than 256 MiB",
+        ));
+    }
+    Ok(out)
 }
+
 const EMPTY_TYPE: &str = "application/vnd.oci.empty.v1+json";
 pub const ENV_ANNOTATION: &str = "dev.amber.env-digest";
 

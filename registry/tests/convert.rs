@@ -3,7 +3,6 @@
 mod common;
 
 use std::io::Write;
-use std::time::Duration;
 
 use amber_converter::manifest::{ChunkId, ManifestEnvelope};
 use common::*;
@@ -72,25 +71,6 @@ async fn push_image(s: &Server, repo: &str, tag: &str, blobs: &[(Vec<u8>, &str)]
     .await;
     assert_eq!(r.status(), 201);
     sha256(m.as_bytes())
-}
-
-/// Polls the resolve endpoint until the conversion settles (done or failed).
-async fn settled(s: &Server, repo: &str, reference: &str) -> Value {
-    for _ in 0..3000 {
-        let v: Value = client()
-            .get(s.url(&format!("/amber/v1/resolve/{repo}/{reference}")))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if v["state"] == "done" || v["state"] == "failed" {
-            return v;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("conversion of {repo}:{reference} never settled");
 }
 
 /// The device as a runner would assemble it: every chunk fetched, verified, placed.

@@ -34,15 +34,7 @@ fn digest_of_blocks(seed: u64, n: u64) -> String {
 }
 
 async fn bytes_in(s: &Server) -> u64 {
-    let text = client()
-        .get(s.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    metric(&text, "amber_http_body_bytes_in_total")
+    metric(&metrics_text(s).await, "amber_http_body_bytes_in_total")
 }
 
 /// Waits until the server has stored at least `n` request body bytes (an observable

@@ -9,10 +9,8 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::sync::mpsc;
 
 /// splitmix64: a seeded generator, enough for fault plans and file contents.
@@ -228,21 +226,7 @@ async fn sigkill_loop_loses_no_acknowledged_push_and_fsck_finds_nothing() {
         assert_eq!(r.status(), 200, "acknowledged manifest {tag}");
         assert_eq!(r.text().await.unwrap(), *m);
         // Converted: interrupted conversions resume after the restart.
-        let mut v = Value::Null;
-        for _ in 0..6000 {
-            v = client()
-                .get(s.url(&format!("/amber/v1/resolve/faults/img/{tag}")))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if v["state"] == "done" || v["state"] == "failed" {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let v = settled(&s, "faults/img", tag).await;
         assert_eq!(v["state"], "done", "conversion of {tag}: {v}");
     }
     drop(s);

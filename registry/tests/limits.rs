@@ -10,15 +10,7 @@ use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn in_flight(s: &Server) -> u64 {
-    let text = client()
-        .get(s.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    metric(&text, "amber_uploads_in_flight")
+    metric(&metrics_text(s).await, "amber_uploads_in_flight")
 }
 
 /// Polls an observable condition (not a sleep standing in for one).

@@ -8,7 +8,7 @@ use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use super::{param, query, AppState};
+use super::{header_str, param, query, AppState};
 use crate::auth::{Action, Principal, Refusal};
 use crate::error::ApiError;
 use crate::names::Route;
@@ -71,14 +71,11 @@ pub fn check(reg: &AppState, req: &Request, need: &Need) -> Result<Option<Princi
     let Some(auth) = &reg.auth else {
         return Ok(None);
     };
-    let authorization = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
+    let authorization = header_str(req.headers(), header::AUTHORIZATION);
     let principal = match auth.authenticate(authorization) {
         Ok(p) => p,
         Err(Refusal::RateLimited(msg)) => return Err(too_many(msg)),
-        Err(Refusal::Unauthenticated(msg)) => return Err(challenge(req, need, msg)),
+        Err(Refusal::Unauthenticated(msg)) => return Err(challenge(auth, req, need, msg)),
     };
     let allowed = match need {
         Need::Caller => true,
@@ -94,7 +91,9 @@ pub fn check(reg: &AppState, req: &Request, need: &Need) -> Result<Option<Princi
     };
     Err(match principal {
         // A token without the scope: the client may ask for a new one (Docker does).
-        Principal::Token(_) => challenge(req, need, format!("the token does not grant {what}")),
+        Principal::Token(_) => {
+            challenge(auth, req, need, format!("the token does not grant {what}"))
+        }
         Principal::Account(a) => ApiError::new(
             StatusCode::FORBIDDEN,
             "DENIED",
@@ -104,18 +103,17 @@ pub fn check(reg: &AppState, req: &Request, need: &Need) -> Result<Option<Princi
 }
 
 /// 401 with the Bearer challenge pointing to this registry's token endpoint.
-fn challenge(req: &Request, need: &Need, msg: String) -> ApiError {
-    let host = req
-        .headers()
-        .get(header::HOST)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("localhost");
+fn challenge(auth: &crate::auth::Auth, req: &Request, need: &Need, msg: String) -> ApiError {
+    let host = header_str(req.headers(), header::HOST).unwrap_or("localhost");
     let proto = req
         .headers()
         .get("x-forwarded-proto")
         .and_then(|v| v.to_str().ok())
         .unwrap_or("http");
-    let mut value = format!("Bearer realm=\"{proto}://{host}/token\",service=\"amber\"");
+    let mut value = format!(
+        "Bearer realm=\"{proto}://{host}/token\",service=\"{}\"",
+        auth.service
+    );
     if let Some(scope) = need.scope() {
         value.push_str(&format!(",scope=\"{scope}\""));
     }
@@ -144,10 +142,7 @@ pub async fn token(reg: &AppState, req: Request) -> Response {
     if req.method() != Method::GET {
         return ApiError::unsupported("the token endpoint answers GET").into_response();
     }
-    let authorization = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
+    let authorization = header_str(req.headers(), header::AUTHORIZATION);
     let account = match auth.authenticate(authorization) {
         Ok(Principal::Account(a)) => a,
         Ok(Principal::Token(_)) => {

@@ -264,3 +264,36 @@ pub fn metric(text: &str, name: &str) -> u64 {
         .map(|v| v.trim().parse::<f64>().unwrap() as u64)
         .unwrap_or(0)
 }
+
+/// The registry's `/metrics` text.
+#[allow(dead_code)]
+pub async fn metrics_text(s: &Server) -> String {
+    client()
+        .get(s.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Polls the resolve endpoint until the conversion settles (done or failed).
+#[allow(dead_code)]
+pub async fn settled(s: &Server, repo: &str, reference: &str) -> serde_json::Value {
+    for _ in 0..6000 {
+        let v: serde_json::Value = client()
+            .get(s.url(&format!("/amber/v1/resolve/{repo}/{reference}")))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if v["state"] == "done" || v["state"] == "failed" {
+            return v;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("conversion of {repo}:{reference} never settled");
+}
