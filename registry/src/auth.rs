@@ -229,15 +229,22 @@ impl Principal {
         }
     }
 
-    /// Whether repository listings may show `repo` (catalog filtering): tokens list
-    /// by their subject's account rights, which the registry looks up.
-    pub fn lists(&self, auth: &Auth, repo: &str) -> bool {
+    /// The account whose pull rights filter what repository listings show (the
+    /// catalog): the account itself, or a token's subject as the users file has it now,
+    /// looked up once per listing. `None` when a token's account no longer exists: such
+    /// a token lists nothing.
+    pub fn lister(&self, auth: &Auth) -> Option<Account> {
         match self {
-            Principal::Account(a) => account_may(a, Action::Pull, repo),
-            Principal::Token(c) => auth
-                .account(&c.sub)
-                .is_some_and(|a| account_may(&a, Action::Pull, repo)),
+            Principal::Account(a) => Some(a.clone()),
+            Principal::Token(c) => auth.account(&c.sub),
         }
+    }
+}
+
+impl Account {
+    /// Whether this account may pull `repo` (and so see it listed).
+    pub fn may_pull(&self, repo: &str) -> bool {
+        account_may(self, Action::Pull, repo)
     }
 }
 

@@ -73,9 +73,13 @@ async fn dispatch(State(reg): State<AppState>, req: Request) -> Response {
     let result = match (&method, route) {
         (&Method::GET | &Method::HEAD, Route::Base) => Ok(base()),
         (&Method::GET, Route::Catalog) => {
-            let visible = |repo: &str| match (&principal, &reg.auth) {
-                (Some(p), Some(auth)) => p.lists(auth, repo),
-                _ => true,
+            let lister = match (&principal, &reg.auth) {
+                (Some(p), Some(auth)) => Some(p.lister(auth)),
+                _ => None,
+            };
+            let visible = |repo: &str| match &lister {
+                Some(account) => account.as_ref().is_some_and(|a| a.may_pull(repo)),
+                None => true,
             };
             listing::catalog(&reg, req, &visible).await
         }
