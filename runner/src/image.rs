@@ -56,7 +56,10 @@ async fn get_json(http: &reqwest::Client, url: &str, accept: &str) -> anyhow::Re
     if !r.status().is_success() {
         let status = r.status();
         let body = r.text().await.unwrap_or_default();
-        bail!("GET {url}: HTTP {status}: {body}");
+        bail!(
+            "GET {url}: HTTP {status}: {body}{}",
+            amber_snapshotter::source::access_hint(status)
+        );
     }
     Ok(r.json().await?)
 }

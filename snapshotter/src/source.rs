@@ -47,6 +47,23 @@ pub struct RegistrySource {
 /// for runners), sent as Basic auth on every request when the registry has auth on.
 pub const CREDENTIALS_ENV: &str = "AMBER_REGISTRY_CREDENTIALS";
 
+/// What to do about a refused registry request, for error messages: empty unless
+/// `status` is 401 (no or wrong credentials) or 403 (the account lacks pull rights).
+pub fn access_hint(status: reqwest::StatusCode) -> String {
+    match status {
+        reqwest::StatusCode::UNAUTHORIZED if std::env::var_os(CREDENTIALS_ENV).is_none() => {
+            format!(" (the registry requires credentials: set {CREDENTIALS_ENV}=name:secret)")
+        }
+        reqwest::StatusCode::UNAUTHORIZED => {
+            format!(" (the registry refused the credentials in {CREDENTIALS_ENV})")
+        }
+        reqwest::StatusCode::FORBIDDEN => {
+            format!(" (the account in {CREDENTIALS_ENV} may not pull this repository)")
+        }
+        _ => String::new(),
+    }
+}
+
 /// An HTTP client for the registry: timeouts, and the credentials of
 /// `AMBER_REGISTRY_CREDENTIALS` (if set) on every request. reqwest drops them on a
 /// redirect to another host (presigned S3 URLs need none).

@@ -58,11 +58,18 @@ pub struct Registry {
     child: Child,
     pub addr: String,
     pub data: PathBuf,
+    /// Further `serve` arguments it was started with (kept across restarts).
+    extra: Vec<String>,
 }
 
 impl Registry {
     /// The registry on `data`, listening on `listen` (port 0: any free port).
     pub fn start(data: &Path, listen: &str) -> Registry {
+        Registry::start_with(data, listen, &[])
+    }
+
+    /// The registry with further `serve` arguments (`--auth token --users FILE`).
+    pub fn start_with(data: &Path, listen: &str, extra: &[&str]) -> Registry {
         let bin = target_dir().join("amber-registry");
         assert!(
             bin.exists(),
@@ -72,6 +79,7 @@ impl Registry {
         let mut child = Command::new(bin)
             .args(["serve", "--listen", listen, "--data"])
             .arg(data)
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -89,14 +97,16 @@ impl Registry {
             child,
             addr,
             data: data.to_path_buf(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         }
     }
 
-    /// Stops the process and starts it again on the same address and data.
+    /// Stops the process and starts it again on the same address, data and arguments.
     pub fn restart(self) -> Registry {
-        let (data, addr) = (self.data.clone(), self.addr.clone());
+        let (data, addr, extra) = (self.data.clone(), self.addr.clone(), self.extra.clone());
         drop(self);
-        Registry::start(&data, &addr)
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        Registry::start_with(&data, &addr, &extra)
     }
 
     pub fn url(&self) -> String {
