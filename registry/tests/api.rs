@@ -804,14 +804,7 @@ async fn metrics_count_requests_bytes_and_uploads() {
         .bytes()
         .await
         .unwrap();
-    let text = client()
-        .get(s.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(&s).await;
     for want in [
         r#"amber_http_requests_total{route="upload_start",method="POST",status="201"} 1"#,
         r#"amber_http_requests_total{route="blob",method="GET",status="200"} 1"#,

@@ -170,14 +170,7 @@ async fn pushed_images_convert_to_the_same_device_whatever_the_compression_on(st
         assert!(dev == local_dev, "{tag}: device bytes differ");
     }
     // The second and third pushes found every chunk already stored.
-    let metrics = client()
-        .get(s.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&s).await;
     let written = metric(&metrics, "amber_chunks_written_total");
     let existing = metric(&metrics, "amber_chunks_existing_total");
     assert!(
@@ -296,14 +289,7 @@ async fn queued_conversions_resume_after_a_restart_and_done_ones_never_rerun() {
         &layers().into_iter().map(|t| (t, TAR)).collect::<Vec<_>>(),
     )
     .await;
-    let metrics = client()
-        .get(s.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = metrics_text(&s).await;
     assert_eq!(
         metric(&metrics, "amber_conversions_started_total"),
         0,

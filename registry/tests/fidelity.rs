@@ -13,7 +13,6 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
 use amber_converter::manifest::{ChunkId, ManifestEnvelope};
 use common::*;
@@ -269,22 +268,13 @@ async fn fetch_device(s: &Server, env: &str, out: &Path) {
 }
 
 async fn env_of(s: &Server, repo: &str) -> String {
-    for _ in 0..60_000 {
-        let v: serde_json::Value = client()
-            .get(s.url(&format!("/amber/v1/resolve/{repo}/v1")))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        match v["state"].as_str() {
-            Some("done") => return v["env_digest"].as_str().unwrap().to_string(),
-            Some("failed") => panic!("conversion of {repo} failed: {}", v["error"]),
-            _ => tokio::time::sleep(Duration::from_millis(10)).await,
-        }
-    }
-    panic!("conversion of {repo} never finished");
+    let v = settled(s, repo, "v1").await;
+    assert_eq!(
+        v["state"], "done",
+        "conversion of {repo} failed: {}",
+        v["error"]
+    );
+    v["env_digest"].as_str().unwrap().to_string()
 }
 
 /// Compares one image; returns the differences found.

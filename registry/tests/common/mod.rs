@@ -278,10 +278,11 @@ pub async fn metrics_text(s: &Server) -> String {
         .unwrap()
 }
 
-/// Polls the resolve endpoint until the conversion settles (done or failed).
+/// Polls the resolve endpoint until the conversion settles (done or failed); gives up
+/// after 10 minutes (the fidelity images convert for minutes on a loaded machine).
 #[allow(dead_code)]
 pub async fn settled(s: &Server, repo: &str, reference: &str) -> serde_json::Value {
-    for _ in 0..6000 {
+    for _ in 0..60_000 {
         let v: serde_json::Value = client()
             .get(s.url(&format!("/amber/v1/resolve/{repo}/{reference}")))
             .send()
