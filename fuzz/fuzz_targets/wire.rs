@@ -2,15 +2,15 @@
 //! sha512, blake3 chunk and env ids), repository names, references and API paths.
 #![no_main]
 use amber_converter::manifest::{ChunkId, EnvDigest};
-use amber_registry::digest::Digest;
-use amber_registry::names::{Reference, RepoName, Route};
+use amber_oci::digest::Digest;
+use amber_oci::names::{Reference, RepoName, Route};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(s) = std::str::from_utf8(data) else {
         return;
     };
-    if let Some((start, end)) = amber_registry::api::parse_content_range(s) {
+    if let Some((start, end)) = amber_oci::names::parse_content_range(s) {
         assert!(start <= end);
     }
     if let Ok(d) = s.parse::<Digest>() {

@@ -392,7 +392,7 @@ impl Auth {
     /// A token for `account` granting what it asks in `scopes` (Docker's
     /// `repository:<name>:<actions>`), cut to what the account may do.
     pub fn issue(&self, account: &Account, scopes: &[String]) -> (String, Claims) {
-        let now = crate::registry::now_unix();
+        let now = crate::clock::now_unix();
         let mut access: Vec<AccessEntry> = Vec::new();
         for scope in scopes {
             for s in scope.split(' ') {

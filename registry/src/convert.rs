@@ -21,16 +21,17 @@ use serde_json::{json, Value};
 use tokio::runtime::Handle;
 use tokio_util::io::{StreamReader, SyncIoBridge};
 
-use crate::api::manifests::{ManifestKind, ParsedManifest};
-use crate::digest::{Algorithm, Digest};
+use amber_oci::manifest::{ManifestKind, ParsedManifest};
+use amber_oci::digest::{Algorithm, Digest};
 use crate::index::{Conversion, ConversionState, ManifestRecord, ManifestWrite};
-use crate::names::RepoName;
-use crate::registry::{now_unix, Registry};
+use amber_oci::names::RepoName;
+use crate::clock::now_unix;
+use crate::registry::Registry;
 use crate::store::{ObjectKey, ObjectStore};
 
-pub const BLOCK_MANIFEST_TYPE: &str = "application/vnd.amber.block-manifest.v1+json";
+pub const BLOCK_MANIFEST_TYPE: &str = amber_oci::media::BLOCK_MANIFEST_ARTIFACT;
 /// The referrer artifact's layer: the envelope JSON as one zstd frame.
-pub const BLOCK_MANIFEST_ZSTD_TYPE: &str = "application/vnd.amber.block-manifest.v1+json+zstd";
+pub const BLOCK_MANIFEST_ZSTD_TYPE: &str = amber_oci::media::BLOCK_MANIFEST_LAYER;
 /// zstd level of new chunks. Only chunks the store does not have yet are compressed, so
 /// a slower, tighter level costs little once a corpus shares its bases (corpus
 /// benchmark: level 9 stores 7% less than level 3).
@@ -64,7 +65,7 @@ pub fn decode_envelope(stored: &[u8]) -> std::io::Result<Vec<u8>> {
     Ok(out)
 }
 
-const EMPTY_TYPE: &str = "application/vnd.oci.empty.v1+json";
+const EMPTY_TYPE: &str = amber_oci::media::OCI_EMPTY;
 pub const ENV_ANNOTATION: &str = "dev.amber.env-digest";
 
 pub const CONVERSIONS_STARTED: &str = "amber_conversions_started_total";
@@ -78,8 +79,7 @@ pub const CHUNK_BYTES_WRITTEN: &str = "amber_chunk_bytes_written_total";
 fn is_image_config(media_type: &str) -> bool {
     matches!(
         media_type,
-        "application/vnd.oci.image.config.v1+json"
-            | "application/vnd.docker.container.image.v1+json"
+        amber_oci::media::OCI_CONFIG | amber_oci::media::DOCKER_CONFIG
     )
 }
 
@@ -103,10 +103,8 @@ pub fn on_manifest_pushed(
             digest.clone()
         }
         ManifestKind::Index => {
-            match amber_converter::oci::linux_amd64_digest(&parsed.document)
-                .and_then(|d| d.parse().ok())
-            {
-                Some(d) => d,
+            match parsed.linux_amd64() {
+                Some(d) => d.digest.clone(),
                 None => return,
             }
         }
@@ -355,10 +353,10 @@ fn publish_referrer(
     let (empty, empty_size) = put_blob(Bytes::from_static(b"{}"))?;
     let image_type = image_manifest["mediaType"]
         .as_str()
-        .unwrap_or("application/vnd.oci.image.manifest.v1+json");
+        .unwrap_or(amber_oci::media::OCI_MANIFEST);
     let artifact = json!({
         "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "mediaType": amber_oci::media::OCI_MANIFEST,
         "artifactType": BLOCK_MANIFEST_TYPE,
         "config": {"mediaType": EMPTY_TYPE, "digest": empty.to_string(), "size": empty_size},
         "layers": [{"mediaType": BLOCK_MANIFEST_ZSTD_TYPE, "digest": env_blob.to_string(), "size": env_size}],
@@ -369,7 +367,7 @@ fn publish_referrer(
     let digest = Digest::of(Algorithm::Sha256, &bytes);
     handle.block_on(reg.store.put(&ObjectKey::blob(&digest), bytes.clone()))?;
     let descriptor = json!({
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "mediaType": amber_oci::media::OCI_MANIFEST,
         "digest": digest.to_string(),
         "size": bytes.len(),
         "artifactType": BLOCK_MANIFEST_TYPE,
@@ -379,7 +377,7 @@ fn publish_referrer(
         repo,
         digest: &digest,
         record: ManifestRecord {
-            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+            media_type: amber_oci::media::OCI_MANIFEST.into(),
             size: bytes.len() as u64,
         },
         tag: None,

@@ -6,7 +6,7 @@
 use amber_converter::manifest::{ChunkId, ManifestEnvelope};
 use futures_util::StreamExt;
 
-use crate::digest::Digest;
+use amber_oci::digest::Digest;
 use crate::registry::Registry;
 use crate::store::ObjectKey;
 

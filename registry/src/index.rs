@@ -28,8 +28,8 @@ use rocksdb::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::digest::Digest;
-use crate::names::{RepoName, Tag};
+use amber_oci::digest::Digest;
+use amber_oci::names::{RepoName, Tag};
 
 const CFS: [&str; 10] = [
     "repos",
@@ -493,7 +493,7 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::digest::Algorithm;
+    use amber_oci::digest::Algorithm;
 
     fn rec() -> ManifestRecord {
         ManifestRecord {

@@ -1,23 +1,32 @@
 //! amber's registry: an OCI Distribution v1.1 server over an immutable,
 //! content-addressed object store, with a RocksDB metadata index.
 //!
-//! Modules: `digest` and `names` (validated identifiers), `store` (object store trait
-//! and backends), `index` (RocksDB metadata), `registry` (shared state, upload recovery
-//! and expiry), `records` (repository records: the store's truth that the index caches),
-//! `api` (HTTP handlers), `config`, `metrics`, `error`, `fsck`, `reindex`, `server`.
+//! Layers, each importing only those below it:
+//! - `server` (startup, signals, connection limits) over `api` (HTTP only: routing,
+//!   access checks, translating requests into repository calls and errors into the
+//!   spec's responses); nothing else imports `api`;
+//! - `repository` (push a manifest: validate, store, link, tag, queue conversion),
+//!   `convert` (conversion workers), `fsck`, `reindex`: the domain, called by the
+//!   handlers and the command-line tools alike;
+//! - `records` (repository records: the store's truth that the index caches),
+//!   `registry` (shared state, opening, upload recovery and expiry), `auth` (accounts,
+//!   tokens);
+//! - `store` (object store trait and backends), `index` (RocksDB metadata), `config`,
+//!   `metrics`, `clock`.
+//!
+//! Digests, names, references, media types and manifest parsing are `amber_oci`'s.
 
 pub mod api;
 pub mod auth;
+pub mod clock;
 pub mod config;
 pub mod convert;
-pub mod digest;
-pub mod error;
 pub mod fsck;
 pub mod index;
 pub mod metrics;
-pub mod names;
 pub mod records;
 pub mod registry;
+pub mod repository;
 pub mod reindex;
 pub mod server;
 pub mod store;

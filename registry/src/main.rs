@@ -114,7 +114,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             let listener = tokio::net::TcpListener::bind(config.listen)
                 .await
                 .map_err(|e| anyhow::anyhow!("binding {}: {e}", config.listen))?;
-            let reg = amber_registry::server::open(config).await?;
+            let reg = amber_registry::registry::open(config).await?;
             amber_registry::server::serve(reg, listener).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
@@ -180,7 +180,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             Ok(std::process::ExitCode::SUCCESS)
         }
         Command::Fsck { config, repair } => {
-            let reg = amber_registry::server::open(config.resolve()?).await?;
+            let reg = amber_registry::registry::open(config.resolve()?).await?;
             let (checked, problems) = amber_registry::fsck::check(&reg).await?;
             for p in &problems {
                 println!("problem: {p}");

@@ -15,9 +15,9 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::digest::Digest;
+use amber_oci::digest::Digest;
 use crate::index::{Conversion, IndexError, ManifestRecord, ManifestWrite};
-use crate::names::{RepoName, Tag};
+use amber_oci::names::{RepoName, Tag};
 use crate::registry::Registry;
 use crate::store::{RecordKey, StoreError};
 
@@ -382,20 +382,5 @@ impl Registry {
             _ => self.index.put_conversion(image, c)?,
         }
         Ok(())
-    }
-}
-
-impl From<RecordError> for crate::error::ApiError {
-    fn from(e: RecordError) -> Self {
-        match e {
-            RecordError::Store(e) => e.into(),
-            RecordError::Index(e) => e.into(),
-            e @ RecordError::Contended { .. } => crate::error::ApiError::new(
-                axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                "UNAVAILABLE",
-                e.to_string(),
-            ),
-            e @ RecordError::Corrupt { .. } => crate::error::ApiError::internal("records", e),
-        }
     }
 }

@@ -4,10 +4,14 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::config::Config;
-use crate::digest::{Algorithm, Hasher};
+use std::time::Duration;
+
+use anyhow::Context;
+
+use crate::config::{Config, StorageKind};
+use crate::store::fs::FsStore;
+use amber_oci::digest::{Algorithm, Hasher};
 use crate::index::{Index, IndexError};
 use crate::store::{ObjectStore, StoreError};
 
@@ -54,13 +58,6 @@ pub struct Registry {
     pub auth: Option<crate::auth::Auth>,
     /// Bounds the upload requests served at once (`max_concurrent_uploads`).
     pub upload_slots: Arc<tokio::sync::Semaphore>,
-}
-
-pub fn now_unix() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 impl Registry {
@@ -150,6 +147,54 @@ impl Registry {
         }
         Ok(n)
     }
+}
+
+/// Opens the index and the object store under the configured data directory.
+pub async fn open(config: Config) -> anyhow::Result<Arc<Registry>> {
+    std::fs::create_dir_all(&config.data)
+        .with_context(|| format!("creating data directory {}", config.data.display()))?;
+    let index_dir = config.data.join("index");
+    let index = Index::open(&index_dir)
+        .with_context(|| format!("opening index at {}", index_dir.display()))?;
+    let store = open_store(&config).await?;
+    let auth = match (config.auth.as_str(), &config.users) {
+        ("token", Some(users)) => Some(
+            crate::auth::Auth::open(
+                users,
+                &config.data.join("auth").join("token.key"),
+                "amber".into(),
+                Duration::from_secs(config.token_ttl_secs),
+            )
+            .context("loading accounts")?,
+        ),
+        _ => None,
+    };
+    let mut reg = Registry::new(config, index, store);
+    reg.auth = auth;
+    Ok(Arc::new(reg))
+}
+
+/// Opens the configured object store.
+pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn ObjectStore>> {
+    Ok(match config.storage {
+        StorageKind::Fs => {
+            let root = config.data.join("store");
+            Arc::new(
+                FsStore::open(&root)
+                    .with_context(|| format!("opening store at {}", root.display()))?,
+            )
+        }
+        StorageKind::S3 => {
+            let settings = config.s3_settings();
+            Arc::new(
+                crate::store::s3::S3Store::connect(&settings)
+                    .await
+                    .with_context(|| {
+                        format!("opening the S3 store (bucket {})", settings.bucket)
+                    })?,
+            )
+        }
+    })
 }
 
 #[cfg(test)]

@@ -8,11 +8,12 @@ use std::sync::Arc;
 use anyhow::Context;
 
 use crate::config::Config;
-use crate::digest::Digest;
+use amber_oci::digest::Digest;
 use crate::index::Index;
-use crate::names::{RepoName, Tag};
+use amber_oci::names::{RepoName, Tag};
 use crate::records::ManifestLink;
-use crate::registry::{now_unix, Registry};
+use crate::clock::now_unix;
+use crate::registry::Registry;
 use crate::store::RecordKey;
 
 /// What a reindex found.
@@ -59,7 +60,7 @@ pub async fn reindex(config: Config) -> anyhow::Result<Summary> {
     let index_dir = config.data.join("index");
     let stamp = now_unix();
     let fresh = config.data.join(format!("index.reindex-{stamp}"));
-    let store = crate::server::open_store(&config).await?;
+    let store = crate::registry::open_store(&config).await?;
     let index =
         Index::open(&fresh).with_context(|| format!("creating index at {}", fresh.display()))?;
     let reg = Arc::new(Registry::new(config.clone(), index, store));

@@ -1,4 +1,5 @@
-//! Opening a registry from its configuration and serving it until a signal arrives.
+//! Serving an opened registry over HTTP until a signal arrives: startup recovery, the
+//! upload expiry task, connection limits. The only user of the HTTP layer (`api`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -6,59 +7,9 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::net::TcpListener;
 
-use crate::config::{Config, StorageKind};
-use crate::index::Index;
-use crate::registry::{now_unix, Registry};
-use crate::store::fs::FsStore;
-use crate::store::ObjectStore;
-
-/// Opens the index and the object store under the configured data directory.
-pub async fn open(config: Config) -> anyhow::Result<Arc<Registry>> {
-    std::fs::create_dir_all(&config.data)
-        .with_context(|| format!("creating data directory {}", config.data.display()))?;
-    let index_dir = config.data.join("index");
-    let index = Index::open(&index_dir)
-        .with_context(|| format!("opening index at {}", index_dir.display()))?;
-    let store = open_store(&config).await?;
-    let auth = match (config.auth.as_str(), &config.users) {
-        ("token", Some(users)) => Some(
-            crate::auth::Auth::open(
-                users,
-                &config.data.join("auth").join("token.key"),
-                "amber".into(),
-                Duration::from_secs(config.token_ttl_secs),
-            )
-            .context("loading accounts")?,
-        ),
-        _ => None,
-    };
-    let mut reg = Registry::new(config, index, store);
-    reg.auth = auth;
-    Ok(Arc::new(reg))
-}
-
-/// Opens the configured object store.
-pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn ObjectStore>> {
-    Ok(match config.storage {
-        StorageKind::Fs => {
-            let root = config.data.join("store");
-            Arc::new(
-                FsStore::open(&root)
-                    .with_context(|| format!("opening store at {}", root.display()))?,
-            )
-        }
-        StorageKind::S3 => {
-            let settings = config.s3_settings();
-            Arc::new(
-                crate::store::s3::S3Store::connect(&settings)
-                    .await
-                    .with_context(|| {
-                        format!("opening the S3 store (bucket {})", settings.bucket)
-                    })?,
-            )
-        }
-    })
-}
+use crate::clock::now_unix;
+use crate::config::StorageKind;
+use crate::registry::Registry;
 
 /// Serves on `listener` until SIGINT or SIGTERM. Prints `listening on <addr>` first.
 pub async fn serve(reg: Arc<Registry>, listener: TcpListener) -> anyhow::Result<()> {

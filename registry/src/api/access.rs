@@ -10,8 +10,8 @@ use serde_json::json;
 
 use super::{header_str, param, query, AppState};
 use crate::auth::{Action, Principal, Refusal};
-use crate::error::ApiError;
-use crate::names::Route;
+use crate::api::error::ApiError;
+use amber_oci::names::Route;
 
 /// What a request needs.
 #[derive(Debug, PartialEq, Eq)]
@@ -38,7 +38,7 @@ impl Need {
 /// The need of a distribution API request.
 pub fn need_of(method: &Method, route: &Route) -> Need {
     let write = !matches!(*method, Method::GET | Method::HEAD);
-    let repo = |name: &crate::names::RepoName| {
+    let repo = |name: &amber_oci::names::RepoName| {
         Need::Repo(
             name.as_str().to_string(),
             if write { Action::Push } else { Action::Pull },

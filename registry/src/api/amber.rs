@@ -10,9 +10,9 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
 use super::{header_str, AppState};
-use crate::digest::Digest;
-use crate::error::{ApiError, ApiResult};
-use crate::names::{Reference, RepoName};
+use amber_oci::digest::Digest;
+use crate::api::error::{ApiError, ApiResult};
+use amber_oci::names::{Reference, RepoName};
 use crate::store::ObjectKey;
 
 const IMMUTABLE: &str = "public, max-age=31536000, immutable";

@@ -4,9 +4,9 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use super::{counted_body, header_str, AppState};
-use crate::digest::Digest;
-use crate::error::{ApiError, ApiResult};
-use crate::names::RepoName;
+use amber_oci::digest::Digest;
+use crate::api::error::{ApiError, ApiResult};
+use amber_oci::names::RepoName;
 use crate::store::ObjectKey;
 
 /// A byte range request against an object of `size` bytes, resolved to `start..end`.

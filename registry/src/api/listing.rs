@@ -7,11 +7,11 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
-use super::manifests::OCI_INDEX;
+use amber_oci::media::OCI_INDEX;
 use super::{param, query, AppState};
-use crate::digest::Digest;
-use crate::error::{ApiError, ApiResult};
-use crate::names::RepoName;
+use amber_oci::digest::Digest;
+use crate::api::error::{ApiError, ApiResult};
+use amber_oci::names::RepoName;
 
 /// Page size when the client gives no `n`, and the largest one it may ask for.
 const DEFAULT_PAGE: usize = 1000;

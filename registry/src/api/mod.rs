@@ -3,14 +3,14 @@
 //! Repository names contain `/`, so every `/v2/` request goes through one dispatcher
 //! that parses the path with `names::Route` and picks the handler by method and route.
 
+pub mod error;
 mod access;
 mod amber;
 mod blobs;
 mod listing;
-pub mod manifests;
+mod manifests;
 mod uploads;
 
-pub use uploads::parse_content_range;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -24,8 +24,8 @@ use axum::routing::get;
 use axum::Router;
 use futures_util::StreamExt;
 
-use crate::error::ApiError;
-use crate::names::Route;
+use crate::api::error::ApiError;
+use amber_oci::names::Route;
 use crate::registry::Registry;
 use crate::store::ByteStream;
 

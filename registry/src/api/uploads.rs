@@ -15,11 +15,12 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 
 use super::{header_str, param, query, request_stream, AppState};
-use crate::digest::{Algorithm, Digest};
-use crate::error::{ApiError, ApiResult};
+use amber_oci::digest::{Algorithm, Digest};
+use crate::api::error::{ApiError, ApiResult};
 use crate::index::UploadSession;
-use crate::names::RepoName;
-use crate::registry::{now_unix, HashState};
+use amber_oci::names::{parse_content_range, RepoName};
+use crate::clock::now_unix;
+use crate::registry::HashState;
 use crate::store::{ByteStream, ObjectKey, StoreError};
 
 fn location(name: &RepoName, id: &str) -> String {
@@ -66,23 +67,9 @@ fn digest_param(q: &[(String, String)]) -> ApiResult<Option<Digest>> {
     param(q, "digest")
         .map(|d| {
             d.parse()
-                .map_err(|e: crate::digest::DigestError| ApiError::digest_invalid(e.to_string()))
+                .map_err(|e: amber_oci::digest::DigestError| ApiError::digest_invalid(e.to_string()))
         })
         .transpose()
-}
-
-/// Parses `Content-Range` of an upload chunk: `start-end`, optionally with a `bytes=` or
-/// `bytes ` prefix and a `/total` suffix. Returns the inclusive (start, end).
-pub fn parse_content_range(v: &str) -> Option<(u64, u64)> {
-    let v = v.trim();
-    let v = v
-        .strip_prefix("bytes=")
-        .or_else(|| v.strip_prefix("bytes "))
-        .unwrap_or(v);
-    let v = v.split_once('/').map(|(r, _)| r).unwrap_or(v);
-    let (a, b) = v.split_once('-')?;
-    let (a, b) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
-    (b >= a).then_some((a, b))
 }
 
 /// `req` without its `mount`/`from` parameters when the caller may not read `from`.
@@ -115,7 +102,7 @@ pub async fn start(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Re
     if let Some(m) = param(&q, "mount") {
         let digest: Digest = m
             .parse()
-            .map_err(|e: crate::digest::DigestError| ApiError::digest_invalid(e.to_string()))?;
+            .map_err(|e: amber_oci::digest::DigestError| ApiError::digest_invalid(e.to_string()))?;
         if let Some(from) = param(&q, "from") {
             let from = RepoName::parse(from)?;
             if let Some(size) = reg.repo_blob(&from, &digest).await? {
@@ -397,19 +384,4 @@ async fn complete(
     reg.index.delete_upload(id)?;
     reg.forget_session(id);
     Ok(created(name, &digest))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_content_range;
-
-    #[test]
-    fn content_ranges() {
-        assert_eq!(parse_content_range("0-99999"), Some((0, 99999)));
-        assert_eq!(parse_content_range("bytes=10-19"), Some((10, 19)));
-        assert_eq!(parse_content_range("bytes 10-19/20"), Some((10, 19)));
-        assert_eq!(parse_content_range("10-9"), None);
-        assert_eq!(parse_content_range("x-y"), None);
-        assert_eq!(parse_content_range("10"), None);
-    }
 }

@@ -185,7 +185,7 @@ impl FsStore {
     }
 
     fn staged(&self, id: &str) -> Result<PathBuf, StoreError> {
-        if !crate::names::upload_id_ok(id) {
+        if !amber_oci::names::upload_id_ok(id) {
             return Err(StoreError::NotFound(format!("staged upload {id:?}")));
         }
         Ok(self.root.join("_staging").join(id))

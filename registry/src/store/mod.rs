@@ -29,7 +29,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::Stream;
 
-use crate::digest::Digest;
+use amber_oci::digest::Digest;
 
 /// A stream of bytes read from, or written to, a store.
 pub type ByteStream = Pin<Box<dyn Stream<Item = io::Result<Bytes>> + Send>>;
@@ -73,27 +73,27 @@ pub struct RecordKey(String);
 
 impl RecordKey {
     /// Repository `repo` holds manifest `digest`.
-    pub fn manifest(repo: &crate::names::RepoName, digest: &Digest) -> RecordKey {
+    pub fn manifest(repo: &amber_oci::names::RepoName, digest: &Digest) -> RecordKey {
         RecordKey(format!("_records/repos/{repo}/_manifests/{digest}"))
     }
 
     /// Repository `repo` holds blob `digest`.
-    pub fn blob(repo: &crate::names::RepoName, digest: &Digest) -> RecordKey {
+    pub fn blob(repo: &amber_oci::names::RepoName, digest: &Digest) -> RecordKey {
         RecordKey(format!("_records/repos/{repo}/_blobs/{digest}"))
     }
 
     /// Tag `tag` of `repo` (a mutable pointer to a manifest digest).
-    pub fn tag(repo: &crate::names::RepoName, tag: &crate::names::Tag) -> RecordKey {
+    pub fn tag(repo: &amber_oci::names::RepoName, tag: &amber_oci::names::Tag) -> RecordKey {
         RecordKey(format!("_records/repos/{repo}/_tags/{}", tag.as_str()))
     }
 
     /// Repository `repo` exists (for the catalog).
-    pub fn repo(repo: &crate::names::RepoName) -> RecordKey {
+    pub fn repo(repo: &amber_oci::names::RepoName) -> RecordKey {
         RecordKey(format!("_records/catalog/{repo}"))
     }
 
     /// Manifest `digest` of `repo` has subject `subject`.
-    pub fn referrer(repo: &crate::names::RepoName, subject: &Digest, digest: &Digest) -> RecordKey {
+    pub fn referrer(repo: &amber_oci::names::RepoName, subject: &Digest, digest: &Digest) -> RecordKey {
         RecordKey(format!(
             "_records/repos/{repo}/_referrers/{subject}/{digest}"
         ))

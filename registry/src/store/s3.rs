@@ -204,7 +204,7 @@ impl S3Store {
     }
 
     fn staged_prefix(&self, id: &str) -> Result<String, StoreError> {
-        if !crate::names::upload_id_ok(id) {
+        if !amber_oci::names::upload_id_ok(id) {
             return Err(StoreError::NotFound(format!("staged upload {id:?}")));
         }
         Ok(format!("{}_staging/{id}/", self.prefix))
@@ -902,8 +902,8 @@ mod tests {
         assert_eq!(n as usize, a.len() + b.len());
         let mut all = a.clone();
         all.extend_from_slice(&b);
-        let key = ObjectKey::blob(&crate::digest::Digest::of(
-            crate::digest::Algorithm::Sha256,
+        let key = ObjectKey::blob(&amber_oci::digest::Digest::of(
+            amber_oci::digest::Algorithm::Sha256,
             &all,
         ));
         store.publish_staged(id, &key).await.unwrap();

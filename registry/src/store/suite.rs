@@ -4,7 +4,7 @@ use bytes::Bytes;
 use futures_util::{stream, TryStreamExt};
 
 use super::{ByteStream, ObjectKey, ObjectStore, StoreError};
-use crate::digest::{Algorithm, Digest};
+use amber_oci::digest::{Algorithm, Digest};
 
 fn body(parts: &[&'static [u8]]) -> ByteStream {
     let v: Vec<std::io::Result<Bytes>> = parts.iter().map(|p| Ok(Bytes::from_static(p))).collect();
@@ -32,8 +32,8 @@ pub async fn run(store: &dyn ObjectStore) {
 
 async fn records_are_compare_and_swap(store: &dyn ObjectStore) {
     use super::RecordKey;
-    let repo = crate::names::RepoName::parse("suite/app").unwrap();
-    let tag = crate::names::Tag::parse("latest").unwrap();
+    let repo = amber_oci::names::RepoName::parse("suite/app").unwrap();
+    let tag = amber_oci::names::Tag::parse("latest").unwrap();
     let key = RecordKey::tag(&repo, &tag);
     assert!(store.get_record(&key).await.unwrap().is_none());
     let v1 = store

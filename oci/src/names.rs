@@ -221,6 +221,20 @@ pub fn upload_id_ok(id: &str) -> bool {
     !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
 }
 
+/// Parses `Content-Range` of an upload chunk: `start-end`, optionally with a `bytes=` or
+/// `bytes ` prefix and a `/total` suffix. Returns the inclusive (start, end).
+pub fn parse_content_range(v: &str) -> Option<(u64, u64)> {
+    let v = v.trim();
+    let v = v
+        .strip_prefix("bytes=")
+        .or_else(|| v.strip_prefix("bytes "))
+        .unwrap_or(v);
+    let v = v.split_once('/').map(|(r, _)| r).unwrap_or(v);
+    let (a, b) = v.split_once('-')?;
+    let (a, b) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+    (b >= a).then_some((a, b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,5 +313,15 @@ mod tests {
         );
         assert_eq!(Route::parse("/v2/a/unknown/x"), Err(NameError::NotFound));
         assert_eq!(Route::parse("/other"), Err(NameError::NotFound));
+    }
+
+    #[test]
+    fn content_ranges() {
+        assert_eq!(parse_content_range("0-99999"), Some((0, 99999)));
+        assert_eq!(parse_content_range("bytes=10-19"), Some((10, 19)));
+        assert_eq!(parse_content_range("bytes 10-19/20"), Some((10, 19)));
+        assert_eq!(parse_content_range("10-9"), None);
+        assert_eq!(parse_content_range("x-y"), None);
+        assert_eq!(parse_content_range("10"), None);
     }
 }

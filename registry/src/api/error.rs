@@ -10,7 +10,7 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use crate::index::IndexError;
-use crate::names::NameError;
+use amber_oci::names::NameError;
 use crate::store::StoreError;
 
 #[derive(Debug)]
@@ -160,5 +160,35 @@ impl IntoResponse for ApiError {
             resp.headers_mut().insert(k, v);
         }
         resp
+    }
+}
+
+impl From<crate::records::RecordError> for ApiError {
+    fn from(e: crate::records::RecordError) -> Self {
+        use crate::records::RecordError;
+        match e {
+            RecordError::Store(e) => e.into(),
+            RecordError::Index(e) => e.into(),
+            e @ RecordError::Contended { .. } => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "UNAVAILABLE", e.to_string())
+            }
+            e @ RecordError::Corrupt { .. } => ApiError::internal("records", e),
+        }
+    }
+}
+
+impl From<crate::repository::PushError> for ApiError {
+    fn from(e: crate::repository::PushError) -> Self {
+        use crate::repository::PushError;
+        match e {
+            PushError::Invalid(e) => ApiError::manifest_invalid(e.0),
+            e @ PushError::DigestMismatch { .. } => ApiError::digest_invalid(e.to_string()),
+            e @ PushError::BlobSize { .. } => ApiError::manifest_invalid(e.to_string()),
+            e @ (PushError::BlobUnknown { .. } | PushError::ChildUnknown { .. }) => {
+                ApiError::new(StatusCode::BAD_REQUEST, "MANIFEST_BLOB_UNKNOWN", e.to_string())
+            }
+            PushError::Record(e) => e.into(),
+            PushError::Store(e) => e.into(),
+        }
     }
 }

@@ -1,0 +1,146 @@
+//! The repository layer: what it means to push a manifest, link a blob, move a tag and
+//! queue a conversion, independent of HTTP. The distribution API's handlers, `reindex`,
+//! `fsck` and importers call this; they differ only in where the bytes come from.
+//!
+//! Invariants kept here:
+//! - a manifest is stored and linked only after its bytes were validated, match the
+//!   digest they were pushed under, and every blob and child manifest they name is in
+//!   the repository (blob sizes as the manifest says), except layers whose bytes live
+//!   elsewhere (`urls`, non-distributable);
+//! - the manifest's bytes are in the store before any record names them (records.rs
+//!   keeps store-before-index);
+//! - every container image pushed (or the linux/amd64 entry of a pushed index) is
+//!   queued for conversion exactly once per image digest (convert.rs).
+
+use std::sync::Arc;
+
+use amber_oci::digest::{Algorithm, Digest};
+use amber_oci::manifest::{parse_manifest, ManifestError, ParsedManifest};
+use amber_oci::media::non_distributable;
+use amber_oci::names::{Reference, RepoName};
+use bytes::Bytes;
+use serde_json::Value;
+
+use crate::index::{ManifestRecord, ManifestWrite};
+use crate::records::RecordError;
+use crate::registry::Registry;
+use crate::store::{ObjectKey, StoreError};
+
+/// Why a manifest push was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PushError {
+    #[error(transparent)]
+    Invalid(#[from] ManifestError),
+    #[error("manifest bytes have digest {actual}, not {expected}")]
+    DigestMismatch { expected: Digest, actual: Digest },
+    #[error("the manifest gives blob {digest} a size of {claimed} bytes but it has {actual}")]
+    BlobSize {
+        digest: Digest,
+        claimed: u64,
+        actual: u64,
+    },
+    #[error("blob {digest} referenced by the manifest is not in repository {repo}; push it first")]
+    BlobUnknown { repo: RepoName, digest: Digest },
+    #[error(
+        "manifest {digest} listed by the index is not in repository {repo}; push it first"
+    )]
+    ChildUnknown { repo: RepoName, digest: Digest },
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A stored manifest.
+pub struct PushedManifest {
+    pub digest: Digest,
+    pub parsed: ParsedManifest,
+}
+
+/// Pushes manifest `bytes` (sent with `content_type`) to `repo` under `reference`:
+/// validates, stores, links, moves the tag, records a referrer, queues conversion.
+pub async fn push_manifest(
+    reg: &Arc<Registry>,
+    repo: &RepoName,
+    reference: &Reference,
+    bytes: Bytes,
+    content_type: Option<&str>,
+) -> Result<PushedManifest, PushError> {
+    let parsed = parse_manifest(&bytes, content_type)?;
+    let digest = match reference {
+        Reference::Digest(d) => {
+            let actual = Digest::of(d.algorithm(), &bytes);
+            if &actual != d {
+                return Err(PushError::DigestMismatch {
+                    expected: d.clone(),
+                    actual,
+                });
+            }
+            actual
+        }
+        Reference::Tag(_) => Digest::of(Algorithm::Sha256, &bytes),
+    };
+    for b in &parsed.blobs {
+        match reg.repo_blob(repo, &b.digest).await? {
+            Some(actual) if actual != b.size => {
+                return Err(PushError::BlobSize {
+                    digest: b.digest.clone(),
+                    claimed: b.size,
+                    actual,
+                })
+            }
+            Some(_) => {}
+            None if b.has_urls || non_distributable(&b.media_type) => {}
+            None => {
+                return Err(PushError::BlobUnknown {
+                    repo: repo.clone(),
+                    digest: b.digest.clone(),
+                })
+            }
+        }
+    }
+    for c in &parsed.children {
+        if reg.manifest(repo, &c.digest).await?.is_none() {
+            return Err(PushError::ChildUnknown {
+                repo: repo.clone(),
+                digest: c.digest.clone(),
+            });
+        }
+    }
+    reg.store
+        .put(&ObjectKey::blob(&digest), bytes.clone())
+        .await?;
+    let tag = match reference {
+        Reference::Tag(t) => Some(t),
+        Reference::Digest(_) => None,
+    };
+    let referrer = parsed.subject.as_ref().map(|s| {
+        let mut d = serde_json::json!({
+            "mediaType": parsed.media_type,
+            "digest": digest.to_string(),
+            "size": bytes.len(),
+        });
+        if let Some(a) = &parsed.artifact_type {
+            d["artifactType"] = Value::String(a.clone());
+        }
+        if let Some(a) = &parsed.annotations {
+            d["annotations"] = a.clone();
+        }
+        (&s.digest, d)
+    });
+    reg.link_manifest(ManifestWrite {
+        repo,
+        digest: &digest,
+        record: ManifestRecord {
+            media_type: parsed.media_type.clone(),
+            size: bytes.len() as u64,
+        },
+        tag,
+        tag_immutable: reg.config.tags_immutable(repo.as_str()),
+        referrer,
+    })
+    .await?;
+    tracing::info!(%repo, %reference, %digest, media_type = %parsed.media_type, "manifest pushed");
+    crate::convert::on_manifest_pushed(reg, repo, &digest, &parsed);
+    Ok(PushedManifest { digest, parsed })
+}
