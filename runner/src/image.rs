@@ -1,20 +1,66 @@
-//! Resolving a reference (`name:tag`, `name@sha256:…`, or an env digest `blake3:…`)
-//! through the registry, and the image config that says how `docker run` runs it.
+//! Resolving a reference (`name:tag`, `name@sha256:…`, `host/name:tag`, or an env digest
+//! `blake3:…`) through the registry, and the image config that says how `docker run`
+//! runs it.
+//!
+//! Invariant kept here: every byte the node acts on is checked against the digest it was
+//! asked for before it is parsed. The image manifest must hash to the image digest that
+//! resolve named, and the config blob to the digest (and size) the manifest names; a
+//! mismatch is `ImageError::Integrity` naming the object, and nothing runs.
 
 use std::time::Duration;
 
+use amber_api::registry::{resolve_path, ConversionState, Resolve};
 use amber_converter::manifest::EnvDigest;
-use anyhow::{bail, Context};
-use serde_json::Value;
+use amber_oci::config::ImageConfig;
+use amber_oci::digest::Digest;
+use amber_oci::manifest::{parse_manifest, ManifestKind};
+use amber_oci::media::ACCEPT_IMAGE_MANIFEST;
+use amber_oci::reference::{ImageRef, RefError};
 
-/// How the image runs by default (the OCI image config's `config` object).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RunConfig {
-    pub entrypoint: Vec<String>,
-    pub cmd: Vec<String>,
-    pub env: Vec<String>,
-    pub working_dir: String,
-    pub user: String,
+pub use amber_oci::config::RunConfig;
+
+/// Why a reference could not be resolved to something bootable.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error(transparent)]
+    BadReference(#[from] RefError),
+    #[error("{reference} names registry {named}, but this node uses {configured}")]
+    OtherRegistry {
+        reference: String,
+        named: String,
+        configured: String,
+    },
+    #[error("GET {url}: {source}")]
+    Unreachable {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("GET {url}: HTTP {status}: {body}{hint}")]
+    Refused {
+        url: String,
+        status: u16,
+        body: String,
+        hint: String,
+    },
+    #[error("the registry could not convert {reference}: {error}")]
+    ConversionFailed { reference: String, error: String },
+    #[error("{0} is not an image the registry can run (no conversion)")]
+    NotAnImage(String),
+    #[error("{0} is still being converted; try again")]
+    StillConverting(String),
+    #[error("integrity error: {object} {expected}: the registry sent bytes with digest {actual}")]
+    Integrity {
+        object: String,
+        expected: String,
+        actual: String,
+    },
+    #[error("{object} {digest} is invalid: {why}")]
+    Invalid {
+        object: String,
+        digest: String,
+        why: String,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -25,124 +71,180 @@ pub struct Resolved {
     pub config: RunConfig,
 }
 
-/// Splits `name:tag` / `name@digest` / `name` into (name, reference).
-pub fn split_ref(r: &str) -> (String, String) {
-    if let Some((n, d)) = r.split_once('@') {
-        return (n.to_string(), d.to_string());
-    }
-    match r.rsplit_once(':') {
-        Some((n, t)) if !t.contains('/') => (n.to_string(), t.to_string()),
-        _ => (r.to_string(), "latest".to_string()),
-    }
-}
-
-fn strings(v: &Value) -> Vec<String> {
-    v.as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|s| s.as_str().map(str::to_string))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-async fn get_json(http: &reqwest::Client, url: &str, accept: &str) -> anyhow::Result<Value> {
+async fn get(http: &reqwest::Client, url: &str, accept: &str) -> Result<Vec<u8>, ImageError> {
+    let unreachable = |source| ImageError::Unreachable {
+        url: url.to_string(),
+        source,
+    };
     let r = http
         .get(url)
         .header("Accept", accept)
         .send()
         .await
-        .with_context(|| format!("GET {url}"))?;
-    if !r.status().is_success() {
-        let status = r.status();
+        .map_err(unreachable)?;
+    let status = r.status();
+    if !status.is_success() {
         let body = r.text().await.unwrap_or_default();
-        bail!(
-            "GET {url}: HTTP {status}: {body}{}",
-            amber_snapshotter::source::access_hint(status)
-        );
-    }
-    Ok(r.json().await?)
-}
-
-/// Resolves `reference`; waits for the registry to finish converting the image.
-pub async fn resolve(registry: &str, reference: &str, wait: Duration) -> anyhow::Result<Resolved> {
-    let http = amber_snapshotter::source::registry_client(Duration::from_secs(300));
-    if reference.starts_with("blake3:") {
-        let env: EnvDigest = reference.parse()?;
-        return Ok(Resolved {
-            reference: reference.into(),
-            image_digest: None,
-            env,
-            config: RunConfig::default(),
+        return Err(ImageError::Refused {
+            url: url.to_string(),
+            status: status.as_u16(),
+            body,
+            hint: amber_snapshotter::source::access_hint(status),
         });
     }
-    let (name, r) = split_ref(reference);
+    Ok(r.bytes().await.map_err(unreachable)?.to_vec())
+}
+
+/// `bytes` when they hash to `expected`; an integrity error naming `object` otherwise.
+fn verified(bytes: Vec<u8>, expected: &Digest, object: &str) -> Result<Vec<u8>, ImageError> {
+    let actual = Digest::of(expected.algorithm(), &bytes);
+    if &actual != expected {
+        return Err(ImageError::Integrity {
+            object: object.to_string(),
+            expected: expected.to_string(),
+            actual: actual.to_string(),
+        });
+    }
+    Ok(bytes)
+}
+
+/// The `host[:port]` of a registry URL.
+fn url_host(url: &str) -> &str {
+    let rest = url.split_once("://").map(|(_, r)| r).unwrap_or(url);
+    rest.split('/').next().unwrap_or(rest)
+}
+
+/// Resolves `reference`; waits up to `wait` for the registry to finish converting the
+/// image. Verifies the image manifest and config against their digests.
+pub async fn resolve(
+    http: &reqwest::Client,
+    registry: &str,
+    reference: &str,
+    wait: Duration,
+) -> Result<Resolved, ImageError> {
+    let name = match ImageRef::parse(reference)? {
+        ImageRef::Env(env) => {
+            return Ok(Resolved {
+                reference: reference.into(),
+                image_digest: None,
+                env,
+                config: RunConfig::default(),
+            })
+        }
+        ImageRef::Image(n) => n,
+    };
+    if let Some(host) = &name.registry {
+        if host != url_host(registry) {
+            return Err(ImageError::OtherRegistry {
+                reference: reference.into(),
+                named: host.clone(),
+                configured: registry.into(),
+            });
+        }
+    }
+    let repo = &name.repository;
     let deadline = std::time::Instant::now() + wait;
-    let v = loop {
-        let v = get_json(
-            &http,
-            &format!("{registry}/amber/v1/resolve/{name}/{r}"),
-            "application/json",
-        )
-        .await?;
-        match v["state"].as_str() {
-            Some("done") => break v,
-            Some("failed") => bail!(
-                "the registry could not convert {reference}: {}",
-                v["error"].as_str().unwrap_or("")
-            ),
-            Some("none") => {
-                bail!("{reference} is not an image the registry can run (no conversion)")
+    let url = format!("{registry}{}", resolve_path(repo, &name.reference()));
+    let resolved: Resolve = loop {
+        let bytes = get(http, &url, "application/json").await?;
+        let v: Resolve = serde_json::from_slice(&bytes).map_err(|e| ImageError::Invalid {
+            object: "resolve answer for".into(),
+            digest: reference.into(),
+            why: e.to_string(),
+        })?;
+        match v.state {
+            ConversionState::Done => break v,
+            ConversionState::Failed => {
+                return Err(ImageError::ConversionFailed {
+                    reference: reference.into(),
+                    error: v.error.unwrap_or_default(),
+                })
             }
+            ConversionState::None => return Err(ImageError::NotAnImage(reference.into())),
             _ if std::time::Instant::now() > deadline => {
-                bail!("{reference} is still being converted; try again")
+                return Err(ImageError::StillConverting(reference.into()))
             }
             _ => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     };
-    let image = v["image_digest"]
-        .as_str()
-        .context("resolve gave no image digest")?
-        .to_string();
-    let env: EnvDigest = v["env_digest"]
-        .as_str()
-        .context("resolve gave no env digest")?
-        .parse()?;
-    let accept = "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json";
-    let m = get_json(
-        &http,
-        &format!("{registry}/v2/{name}/manifests/{image}"),
-        accept,
-    )
-    .await?;
-    let cd = m["config"]["digest"]
-        .as_str()
-        .context("image manifest without config")?;
-    let cfg = get_json(&http, &format!("{registry}/v2/{name}/blobs/{cd}"), "*/*").await?;
-    let c = &cfg["config"];
+    let env = resolved.env_digest.ok_or_else(|| ImageError::Invalid {
+        object: "resolve answer for".into(),
+        digest: reference.into(),
+        why: "state done without an env digest".into(),
+    })?;
+    let image = resolved.image_digest;
+    if let Some(d) = &name.digest {
+        // The digest asked for is the manifest resolve names, or the index holding it.
+        if d != &resolved.manifest_digest {
+            return Err(ImageError::Integrity {
+                object: format!("manifest of {repo}"),
+                expected: d.to_string(),
+                actual: resolved.manifest_digest.to_string(),
+            });
+        }
+    }
+    let manifest = verified(
+        get(
+            http,
+            &format!("{registry}/v2/{repo}/manifests/{image}"),
+            ACCEPT_IMAGE_MANIFEST,
+        )
+        .await?,
+        &image,
+        &format!("image manifest of {repo}"),
+    )?;
+    let invalid = |object: &str, digest: &Digest, why: String| ImageError::Invalid {
+        object: object.into(),
+        digest: digest.to_string(),
+        why,
+    };
+    let parsed = parse_manifest(&manifest, None)
+        .map_err(|e| invalid("image manifest", &image, e.to_string()))?;
+    if parsed.kind != ManifestKind::Image {
+        return Err(invalid(
+            "image manifest",
+            &image,
+            "resolve named an index, not an image".into(),
+        ));
+    }
+    let config_desc = parsed.config().expect("an image manifest has a config");
+    let config_bytes = verified(
+        get(
+            http,
+            &format!("{registry}/v2/{repo}/blobs/{}", config_desc.digest),
+            "*/*",
+        )
+        .await?,
+        &config_desc.digest,
+        &format!("image config of {repo}"),
+    )?;
+    let config = ImageConfig::parse(&config_bytes)
+        .map_err(|e| invalid("image config", &config_desc.digest, e.to_string()))?;
     Ok(Resolved {
         reference: reference.into(),
-        image_digest: Some(image),
+        image_digest: Some(image.to_string()),
         env,
-        config: RunConfig {
-            entrypoint: strings(&c["Entrypoint"]),
-            cmd: strings(&c["Cmd"]),
-            env: strings(&c["Env"]),
-            working_dir: c["WorkingDir"].as_str().unwrap_or("").to_string(),
-            user: c["User"].as_str().unwrap_or("").to_string(),
-        },
+        config: config.run,
     })
 }
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
-    fn references() {
-        assert_eq!(super::split_ref("a/b:v1"), ("a/b".into(), "v1".into()));
-        assert_eq!(super::split_ref("a/b"), ("a/b".into(), "latest".into()));
-        assert_eq!(
-            super::split_ref("a/b@sha256:00"),
-            ("a/b".into(), "sha256:00".into())
-        );
+    fn verification_names_the_object() {
+        let d = Digest::of(amber_oci::digest::Algorithm::Sha256, b"right");
+        assert!(verified(b"right".to_vec(), &d, "image config of a").is_ok());
+        let e = verified(b"wrong".to_vec(), &d, "image config of a").unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.starts_with("integrity error: image config of a sha256:"), "{msg}");
+        assert!(msg.contains(&d.to_string()), "{msg}");
+    }
+
+    #[test]
+    fn registry_hosts() {
+        assert_eq!(url_host("http://127.0.0.1:5000"), "127.0.0.1:5000");
+        assert_eq!(url_host("https://r.example/x"), "r.example");
     }
 }

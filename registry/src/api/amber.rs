@@ -1,16 +1,13 @@
-//! The amber API under `/amber/v1/`, read by runners:
-//! - `GET /amber/v1/resolve/<name>/<tag-or-digest>` -> image digest, env digest, state;
-//! - `GET /amber/v1/envs/<env-digest>` -> the block manifest envelope (immutable);
-//! - `GET|HEAD /amber/v1/chunks/<chunk-id>` -> zstd bytes (immutable, Range).
+//! The amber API under `/amber/v1/` over HTTP; its types and paths are `amber_api::registry`'s.
 
 use amber_converter::manifest::{ChunkId, EnvDigest};
 use axum::extract::Request;
 use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::{json, Value};
+use amber_api::registry::{ConversionState, Resolve};
+use amber_oci::manifest::{parse_manifest, ManifestKind};
 
 use super::{header_str, AppState};
-use amber_oci::digest::Digest;
 use crate::api::error::{ApiError, ApiResult};
 use amber_oci::names::{Reference, RepoName};
 use crate::store::ObjectKey;
@@ -71,12 +68,13 @@ async fn resolve(reg: &AppState, name: RepoName, r: Reference) -> ApiResult<Resp
         .ok_or_else(|| ApiError::manifest_unknown(format!("{name}@{digest}")))?;
     // An index resolves to its linux/amd64 image.
     let mut image = digest.clone();
-    if rec.media_type.contains("index") || rec.media_type.contains("list") {
+    if ManifestKind::of(&rec.media_type) == Some(ManifestKind::Index) {
         let bytes = reg.store.read_all(&ObjectKey::blob(&digest)).await?;
-        let v: Value =
-            serde_json::from_slice(&bytes).map_err(|e| ApiError::internal("stored index", e))?;
-        image = amber_converter::oci::linux_amd64_digest(&v)
-            .and_then(|d| d.parse::<Digest>().ok())
+        let index = parse_manifest(&bytes, Some(&rec.media_type))
+            .map_err(|e| ApiError::internal("stored index", e))?;
+        image = index
+            .linux_amd64()
+            .map(|d| d.digest.clone())
             .ok_or_else(|| {
                 ApiError::new(
                     StatusCode::NOT_FOUND,
@@ -87,24 +85,31 @@ async fn resolve(reg: &AppState, name: RepoName, r: Reference) -> ApiResult<Resp
     }
     // Another replica may have converted it: the store's record fills the index.
     let conv = reg.conversion(&image).await?;
-    let env = reg.index.image_env(&image)?;
+    let env: Option<EnvDigest> = reg
+        .index
+        .image_env(&image)?
+        .map(|e| e.parse())
+        .transpose()
+        .map_err(|e| ApiError::internal("the index's env digest", e))?;
     let state = match (&env, &conv) {
-        (Some(_), _) => "done".to_string(),
-        (None, Some(c)) => serde_json::to_value(c.state)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default(),
-        (None, None) => "none".to_string(),
+        (Some(_), _) => ConversionState::Done,
+        (None, Some(c)) => match c.state {
+            crate::index::ConversionState::Queued => ConversionState::Queued,
+            crate::index::ConversionState::Running => ConversionState::Running,
+            crate::index::ConversionState::Done => ConversionState::Done,
+            crate::index::ConversionState::Failed => ConversionState::Failed,
+        },
+        (None, None) => ConversionState::None,
     };
-    let body = json!({
-        "name": name.as_str(),
-        "reference": r.to_string(),
-        "manifest_digest": digest.to_string(),
-        "image_digest": image.to_string(),
-        "env_digest": env,
-        "state": state,
-        "error": conv.and_then(|c| c.error),
-    });
+    let body = Resolve {
+        name: name.to_string(),
+        reference: r.to_string(),
+        manifest_digest: digest,
+        image_digest: image,
+        env_digest: env,
+        state,
+        error: conv.and_then(|c| c.error),
+    };
     Ok((StatusCode::OK, axum::Json(body)).into_response())
 }
 

@@ -238,7 +238,8 @@ async fn launch(
     a: &VmArgs,
 ) -> anyhow::Result<(image::Resolved, NodeState, Launch)> {
     let state = kernel::read_node(node)?;
-    let resolved = image::resolve(registry, &a.reference, Duration::from_secs(600)).await?;
+    let http = amber_snapshotter::source::registry_client(Duration::from_secs(300));
+    let resolved = image::resolve(&http, registry, &a.reference, Duration::from_secs(600)).await?;
     let hostname = a
         .hostname
         .clone()

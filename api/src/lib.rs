@@ -1,0 +1,6 @@
+//! The request and response types of amber's HTTP APIs, one definition for the server
+//! that answers and the client that reads, so neither builds or picks apart JSON by hand.
+//!
+//! Modules: `registry` (the registry's `/amber/v1`: resolve, envs, chunks).
+
+pub mod registry;
