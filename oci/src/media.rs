@@ -27,7 +27,7 @@ pub const GUEST_ARTIFACT: &str = "application/vnd.amber.guest.v1";
 pub const GUEST_VMLINUZ: &str = "application/vnd.amber.guest.vmlinuz";
 pub const GUEST_MODULES: &str = "application/vnd.amber.guest.modules.v1.tar";
 pub const GUEST_INITRAMFS: &str = "application/vnd.amber.guest.initramfs.v1.cpio";
-pub const GUEST_AGENT: &str = "application/vnd.amber.guest.agent.v1";
+
 
 /// Layers whose bytes live outside the registry (clients may not push them).
 pub fn non_distributable(media_type: &str) -> bool {

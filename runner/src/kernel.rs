@@ -17,18 +17,21 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
 
+/// The static guest agent this `amber` was built with (runner/build.rs), the init of the
+/// initramfs unless `amber setup --guest PATH` names another.
+pub static GUEST_AGENT: &[u8] = include_bytes!(env!("AMBER_GUEST_AGENT"));
+
 /// The pinned kernel package (Debian bookworm, cloud flavour).
 pub const KERNEL_PACKAGE: &str = "linux-image-6.1.0-57-cloud-amd64";
 pub const KERNEL_RELEASE: &str = "6.1.0-57-cloud-amd64";
 
 /// The registry repository holding boot files.
 pub const GUEST_REPO: &str = "amber/guest";
-const ARTIFACT_TYPE: &str = "application/vnd.amber.guest.v1";
-const VMLINUZ_TYPE: &str = "application/vnd.amber.guest.vmlinuz";
-const MODULES_TYPE: &str = "application/vnd.amber.guest.modules.v1.tar";
-const INITRAMFS_TYPE: &str = "application/vnd.amber.guest.initramfs.v1.cpio";
-const EMPTY_TYPE: &str = "application/vnd.oci.empty.v1+json";
-const MANIFEST_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
+use amber_oci::media::{
+    GUEST_ARTIFACT as ARTIFACT_TYPE, GUEST_INITRAMFS as INITRAMFS_TYPE,
+    GUEST_MODULES as MODULES_TYPE, GUEST_VMLINUZ as VMLINUZ_TYPE, OCI_EMPTY as EMPTY_TYPE,
+    OCI_MANIFEST as MANIFEST_TYPE,
+};
 
 /// Modules the guest needs, in load order (paths under lib/modules/<release>/kernel/).
 pub const MODULES: &[&str] = &[
@@ -306,7 +309,7 @@ fn kernel_from_debian(work: &Path) -> anyhow::Result<KernelFiles> {
 
 /// Prepares this node: kernel from the registry (or Debian, then pushed), the initramfs
 /// around `guest`, both pushed and stored by digest, and the accelerator probe. Idempotent.
-pub async fn setup(dir: &Path, registry: &str, guest: &Path) -> anyhow::Result<NodeState> {
+pub async fn setup(dir: &Path, registry: &str, guest: &[u8]) -> anyhow::Result<NodeState> {
     let repo = GuestRepo::new(registry);
     let kernel_tag = format!("kernel-{KERNEL_RELEASE}");
     let from_registry = match repo.artifact(&kernel_tag).await? {
@@ -361,10 +364,8 @@ pub async fn setup(dir: &Path, registry: &str, guest: &Path) -> anyhow::Result<N
             .with_context(|| format!("the kernel artifact lacks {name}"))?;
         ordered.push(data.clone());
     }
-    let init = std::fs::read(guest)
-        .with_context(|| format!("reading the guest agent {}", guest.display()))?;
     let mut cpio = Vec::new();
-    crate::initramfs::write(&mut cpio, &init, &ordered)?;
+    crate::initramfs::write(&mut cpio, guest, &ordered)?;
     let kernel = store_boot_file(dir, &vmlinuz)?;
     let initramfs = store_boot_file(dir, &cpio)?;
     repo.push(

@@ -126,7 +126,13 @@ impl Vm {
         let mut agent_error = None;
         loop {
             match control.recv().await {
-                Some(f) if f.kind == READY => return Ok(vm),
+                Some(f) if f.kind == READY => {
+                    let ready = amber_guest::Ready::parse(&f.payload).map_err(anyhow::Error::msg)?;
+                    if let Err(why) = ready.check() {
+                        bail!("{why}");
+                    }
+                    return Ok(vm);
+                }
                 Some(f) if f.kind == ERROR => {
                     agent_error = Some(String::from_utf8_lossy(&f.payload).into_owned())
                 }

@@ -33,9 +33,9 @@ enum Cmd {
     /// Prepare this node: the pinned guest kernel (from the registry, or Debian once, then
     /// pushed), the initramfs, and which accelerator works.
     Setup {
-        /// The static guest agent binary.
+        /// A static guest agent binary to use instead of the one built into `amber`.
         #[arg(long, env = "AMBER_GUEST")]
-        guest: PathBuf,
+        guest: Option<PathBuf>,
     },
     /// Run a command in a fresh microVM of REF, as `docker run REF CMD` would.
     Run(Box<RunArgs>),
@@ -151,7 +151,12 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
     let node = kernel::node_dir();
     match cli.command {
         Cmd::Setup { guest } => {
-            let s = kernel::setup(&node, &cli.registry, &guest).await?;
+            let agent = match &guest {
+                Some(p) => std::fs::read(p)
+                    .with_context(|| format!("reading the guest agent {}", p.display()))?,
+                None => kernel::GUEST_AGENT.to_vec(),
+            };
+            let s = kernel::setup(&node, &cli.registry, &agent).await?;
             println!("kernel {} {}", s.kernel_release, s.kernel);
             println!("initramfs {}", s.initramfs);
             println!("accel {}", s.accel);

@@ -692,7 +692,10 @@ fn dispatch(mut input: File, port: Port) -> Result<(), String> {
                 match boot(&b) {
                     Ok(()) => {
                         booted = true;
-                        port.send(READY, 0, &[]);
+                        let ready = amber_guest::Ready {
+                            protocol: amber_guest::PROTOCOL_VERSION,
+                        };
+                        port.send(READY, 0, &serde_json::to_vec(&ready).expect("json"));
                     }
                     Err(e) => port.fail(0, &e, 125),
                 }

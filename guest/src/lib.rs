@@ -45,8 +45,46 @@ pub const EXIT: u8 = 18;
 /// Payload: a message from the agent itself (it could not do what the session asked);
 /// an `EXIT` follows.
 pub const ERROR: u8 = 19;
-/// Session 0: the root is mounted; sessions may be opened.
+/// Session 0, payload JSON [`Ready`]: the root is mounted; sessions may be opened.
 pub const READY: u8 = 20;
+
+/// The version of this protocol the agent speaks, sent in `READY`. Raise it with any
+/// change a host of the previous version would misread; a host accepts every version
+/// from [`MIN_PROTOCOL_VERSION`] to [`PROTOCOL_VERSION`].
+///
+/// History: 0 (an empty `READY` payload) is the protocol before versions were sent;
+/// 1 has the same frames and sends its version.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// The oldest agent protocol this host still drives (old receipts boot old initramfs).
+pub const MIN_PROTOCOL_VERSION: u32 = 0;
+
+/// What the agent says when it is ready.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Ready {
+    pub protocol: u32,
+}
+
+impl Ready {
+    /// The `READY` payload's protocol version (an empty payload is version 0).
+    pub fn parse(payload: &[u8]) -> Result<Ready, String> {
+        if payload.is_empty() {
+            return Ok(Ready { protocol: 0 });
+        }
+        serde_json::from_slice(payload).map_err(|e| format!("unreadable READY payload: {e}"))
+    }
+
+    /// Ok when this host can drive an agent of this version; else why not.
+    pub fn check(&self) -> Result<(), String> {
+        if (MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&self.protocol) {
+            Ok(())
+        } else {
+            Err(format!(
+                "the guest agent speaks protocol version {}, and this amber speaks versions {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}: use an amber release that speaks version {} (a receipt pins its initramfs, and so its agent)",
+                self.protocol, self.protocol
+            ))
+        }
+    }
+}
 
 /// How the VM is set up once, before any command runs.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -296,5 +334,16 @@ mod tests {
         let err = copy::unpack(&bytes[..], &src.join("evil")).unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::InvalidData, "{err}");
         std::fs::remove_dir_all(&src).unwrap();
+    }
+
+    #[test]
+    fn protocol_versions() {
+        assert_eq!(Ready::parse(b"").unwrap().protocol, 0);
+        assert!(Ready::parse(b"").unwrap().check().is_ok());
+        let now = serde_json::to_vec(&Ready { protocol: PROTOCOL_VERSION }).unwrap();
+        assert!(Ready::parse(&now).unwrap().check().is_ok());
+        let future = Ready { protocol: PROTOCOL_VERSION + 1 };
+        assert!(future.check().unwrap_err().contains("speaks protocol version"));
+        assert!(Ready::parse(b"{").is_err());
     }
 }
