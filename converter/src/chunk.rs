@@ -61,6 +61,8 @@ pub struct Chunker<'a> {
 }
 
 fn is_zero(b: &[u8]) -> bool {
+    // SAFETY: every bit pattern is a valid u128, and align_to only reinterprets the
+    // aligned middle of the slice, leaving the unaligned ends as bytes.
     let (pre, mid, post) = unsafe { b.align_to::<u128>() };
     pre.iter().all(|&x| x == 0) && mid.iter().all(|&x| x == 0) && post.iter().all(|&x| x == 0)
 }

@@ -474,7 +474,8 @@ fn spawn(
         return Err(format!("fork: {}", errno()));
     }
     if pid == 0 {
-        // SAFETY (child): raw syscalls only.
+        // SAFETY: in the forked child, which uses raw syscalls only on data prepared
+        // before the fork (no allocation, no locks another thread might hold).
         unsafe {
             let mut none: libc::sigset_t = std::mem::zeroed();
             libc::sigemptyset(&mut none);

@@ -84,15 +84,9 @@ async fn token(s: &Server, user: &str, secret: &str, scope: &str) -> String {
 
 /// The docker CLI with its own config directory (its own logins).
 fn docker_as(config: &Path, args: &[&str], stdin: Option<&str>) -> (bool, String) {
-    let host = std::env::var("AMBER_TEST_DOCKER_HOST").expect(
-        "AMBER_TEST_DOCKER_HOST is not set: scripts/test starts a Docker engine and sets it",
-    );
-    require_tool("docker");
-    let mut child = Command::new("docker")
+    let mut child = docker()
         .arg("--config")
         .arg(config)
-        .arg("-H")
-        .arg(host)
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -12,26 +12,12 @@ use std::process::Command;
 
 use common::*;
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
 
 /// The busybox root file system tar the fixture images build on.
 fn base_rootfs(dir: &Path) -> PathBuf {
     let out = dir.join("busybox-rootfs.tar");
     run(Command::new(repo_root().join("fixtures/busybox-rootfs.sh")).arg(&out));
     out
-}
-
-fn docker(args: &[&str]) -> String {
-    let host = std::env::var("AMBER_TEST_DOCKER_HOST").expect(
-        "AMBER_TEST_DOCKER_HOST is not set: scripts/test starts a Docker engine and sets it",
-    );
-    require_tool("docker");
-    run(Command::new("docker").arg("-H").arg(host).args(args))
 }
 
 #[tokio::test]
@@ -48,26 +34,26 @@ async fn docker_build_push_pull_run_round_trip_on(storage: Storage) {
     let s = Server::start_on(storage, &[]);
     let tmp = tempfile::tempdir().unwrap();
     let base = base_rootfs(tmp.path());
-    docker(&["import", base.to_str().unwrap(), "amber-test/busybox:1"]);
+    docker_ok(&["import", base.to_str().unwrap(), "amber-test/busybox:1"]);
     let image = format!("{}/test/hello:v1", s.addr);
-    docker(&[
+    docker_ok(&[
         "build",
         "-q",
         "-t",
         &image,
         repo_root().join("fixtures/images/hello").to_str().unwrap(),
     ]);
-    let push = docker(&["push", &image]);
+    let push = docker_ok(&["push", &image]);
     let pushed = push
         .lines()
         .find_map(|l| l.split("digest: ").nth(1))
         .and_then(|r| r.split_whitespace().next())
         .unwrap_or_else(|| panic!("no digest in docker push output:\n{push}"))
         .to_string();
-    docker(&["rmi", &image]);
-    let pull = docker(&["pull", &image]);
+    docker_ok(&["rmi", &image]);
+    let pull = docker_ok(&["pull", &image]);
     assert!(pull.contains(&pushed), "pulled digest differs:\n{pull}");
-    let out = docker(&["run", "--rm", "--network", "none", &image]);
+    let out = docker_ok(&["run", "--rm", "--network", "none", &image]);
     assert_eq!(out, "hello from an amber round trip\n1234\n");
     // The tag resolves to what docker printed, with docker's media type.
     let r = client()
@@ -83,7 +69,7 @@ async fn docker_build_push_pull_run_round_trip_on(storage: Storage) {
         r.headers()["docker-content-digest"].to_str().unwrap(),
         pushed
     );
-    docker(&["rmi", &image]);
+    docker_ok(&["rmi", &image]);
 }
 
 /// An isolated containers/image + containers/storage setup (vfs, this registry insecure).

@@ -2,41 +2,18 @@
 
 mod common;
 
-use std::io::Write;
-
 use amber_converter::manifest::{ChunkId, ManifestEnvelope};
 use common::*;
 use serde_json::{json, Value};
-
-fn layer_tar(files: &[(&str, &[u8])]) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    for (path, data) in files {
-        let mut h = tar::Header::new_gnu();
-        h.set_entry_type(tar::EntryType::Regular);
-        h.set_mode(0o644);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(1_700_000_000);
-        h.set_size(data.len() as u64);
-        b.append_data(&mut h, path, *data).unwrap();
-    }
-    b.into_inner().unwrap()
-}
-
-fn gzip(data: &[u8]) -> Vec<u8> {
-    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-    e.write_all(data).unwrap();
-    e.finish().unwrap()
-}
 
 fn layers() -> Vec<Vec<u8>> {
     let big: Vec<u8> = (0..2_500_000u32)
         .map(|i| (i.wrapping_mul(2654435761) >> 11) as u8)
         .collect();
     vec![
-        layer_tar(&[("usr/lib/big.so", &big), ("etc/os-release", b"ID=test\n")]),
-        layer_tar(&[
-            ("app/main.py", b"print(1)\n"),
+        files_tar(&[("usr/lib/big.so", &big[..]), ("etc/os-release", b"ID=test\n")]),
+        files_tar(&[
+            ("app/main.py", &b"print(1)\n"[..]),
             ("app/data.txt", &b"data ".repeat(3000)),
         ]),
     ]
@@ -329,7 +306,7 @@ async fn an_image_past_the_entry_limit_fails_its_conversion() {
     let s = Server::start(&["--max-image-entries", "5"]);
     let names: Vec<String> = (0..10).map(|i| format!("f{i}")).collect();
     let files: Vec<(&str, &[u8])> = names.iter().map(|n| (n.as_str(), &b"x"[..])).collect();
-    push_image(&s, "conv/many", "v1", &[(layer_tar(&files), TAR)]).await;
+    push_image(&s, "conv/many", "v1", &[(files_tar(&files), TAR)]).await;
     let v = settled(&s, "conv/many", "v1").await;
     assert_eq!(v["state"], "failed");
     let err = v["error"].as_str().unwrap();
@@ -338,7 +315,7 @@ async fn an_image_past_the_entry_limit_fails_its_conversion() {
         "{err}"
     );
     // An image within the limit converts on the same registry.
-    push_image(&s, "conv/few", "v1", &[(layer_tar(&files[..3]), TAR)]).await;
+    push_image(&s, "conv/few", "v1", &[(files_tar(&files[..3]), TAR)]).await;
     assert_eq!(settled(&s, "conv/few", "v1").await["state"], "done");
 }
 

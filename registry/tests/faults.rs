@@ -33,19 +33,12 @@ impl Rng {
 }
 
 fn layer_tar(rng: &mut Rng, cycle: u64) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    for i in 0..3 {
-        let len = 20_000 + rng.below(60_000) as usize;
-        let data = rng.bytes(len);
-        let mut h = tar::Header::new_gnu();
-        h.set_entry_type(tar::EntryType::Regular);
-        h.set_mode(0o644);
-        h.set_mtime(1_700_000_000);
-        h.set_size(data.len() as u64);
-        b.append_data(&mut h, format!("cycle{cycle}/file{i}"), &data[..])
-            .unwrap();
-    }
-    b.into_inner().unwrap()
+    (0..3)
+        .fold(Layer::new(), |l, i| {
+            let len = 20_000 + rng.below(60_000) as usize;
+            l.file(&format!("cycle{cycle}/file{i}"), 0o644, &rng.bytes(len))
+        })
+        .tar()
 }
 
 /// What a push reports as it goes: each acknowledged step.

@@ -295,7 +295,7 @@ async fn compare(s: &Server, name: &str, work: &Path) -> Vec<String> {
         .unwrap_or_else(|_| "/etc/ssl/certs/ca-certificates.crt".into());
     std::fs::copy(&ca, ctx.join("build-ca.crt"))
         .unwrap_or_else(|e| panic!("copying the CA bundle {ca}: {e}"));
-    docker(&[
+    docker_ok(&[
         "build",
         "-q",
         "--network",
@@ -304,7 +304,7 @@ async fn compare(s: &Server, name: &str, work: &Path) -> Vec<String> {
         &image,
         ctx.to_str().unwrap(),
     ]);
-    docker(&["push", &image]);
+    docker_ok(&["push", &image]);
     let env = env_of(s, &format!("fidelity/{name}")).await;
     let dev = work.join(format!("{name}.erofs"));
     fetch_device(s, &env, &dev).await;
@@ -317,10 +317,10 @@ async fn compare(s: &Server, name: &str, work: &Path) -> Vec<String> {
         "fsck.erofs {name}: {fsck:?}"
     );
 
-    let cid = docker(&["create", &image, "true"]).trim().to_string();
+    let cid = docker_ok(&["create", &image, "true"]).trim().to_string();
     let export = work.join(format!("{name}.export.tar"));
-    docker(&["export", "-o", export.to_str().unwrap(), &cid]);
-    docker(&["rm", &cid]);
+    docker_ok(&["export", "-o", export.to_str().unwrap(), &cid]);
+    docker_ok(&["rm", &cid]);
     let (want, links) = export_tree(&export);
 
     let mnt = work.join(format!("{name}.mnt"));
@@ -369,12 +369,12 @@ async fn docker_export_equals_the_tree_in_amber_s_erofs_device() {
     require_tool("mount");
     let s = Server::start(&[]);
     let work = tempfile::tempdir().unwrap();
-    docker(&["import", &rootfs, "amber-test/debian:bookworm"]);
+    docker_ok(&["import", &rootfs, "amber-test/debian:bookworm"]);
     let mut diffs = Vec::new();
     for name in ["debian-apt", "python-pip", "node-npm"] {
         diffs.extend(compare(&s, name, work.path()).await);
     }
-    docker(&[
+    docker_ok(&[
         "tag",
         &format!("{}/fidelity/debian-apt:v1", s.addr),
         "amber-test/debian-apt",

@@ -43,7 +43,7 @@ fn a_pull_only_robot_runs_an_environment_from_an_authenticated_registry() {
     assert!(!robot_token.is_empty(), "user robot prints the token");
 
     let data = tempfile::tempdir().unwrap();
-    let reg = Registry::start_with(
+    let reg = Registry::start_at(
         data.path(),
         "127.0.0.1:0",
         &["--auth", "token", "--users", users_arg],
@@ -54,7 +54,7 @@ fn a_pull_only_robot_runs_an_environment_from_an_authenticated_registry() {
     let out = node
         .command(&reg)
         .env(CREDENTIALS, "operator:operator-secret")
-        .args(["setup", "--guest", &env("AMBER_GUEST")])
+        .args(["setup"])
         .output()
         .unwrap();
     assert!(out.status.success(), "amber setup as operator: {out:?}");

@@ -10,7 +10,7 @@ use common::*;
 #[test]
 fn a_big_image_boots_lazily_and_a_corrupt_chunk_is_an_integrity_error() {
     let data = tempfile::tempdir().unwrap();
-    let reg = Registry::start(data.path(), "127.0.0.1:0");
+    let reg = Registry::start_in(data.path(), &[]);
     let node = Node::setup(&reg);
     debian_base();
     let image = format!("{}/lazy/big:v1", reg.addr);
@@ -31,12 +31,12 @@ fn a_big_image_boots_lazily_and_a_corrupt_chunk_is_an_integrity_error() {
     assert!(image_bytes > 500 << 20, "the image has {image_bytes} bytes");
 
     let chunk_gets = || {
-        reg.metric(
+        reg.metric_sum(
             "amber_http_requests_total",
             "route=\"amber_chunk\",method=\"GET\"",
         )
     };
-    let bytes_out = || reg.metric("amber_http_body_bytes_out_total", "");
+    let bytes_out = || reg.metric_sum("amber_http_body_bytes_out_total", "");
     // amber waits for the conversion; run once so the env exists, then measure cold.
     let o = node.amber(&reg, &["run", &pinned, "--", "true"]);
     assert!(o.status.success(), "{}", stderr(&o));

@@ -11,7 +11,7 @@ use common::*;
 #[test]
 fn amber_run_matches_docker_run_and_a_receipt_reproduces() {
     let data = tempfile::tempdir().unwrap();
-    let reg = Registry::start(data.path(), "127.0.0.1:0");
+    let reg = Registry::start_in(data.path(), &[]);
     let node = Node::setup(&reg);
 
     // The Python image of the fidelity set, built and pushed with the Docker engine.
@@ -183,7 +183,7 @@ fn amber_run_matches_docker_run_and_a_receipt_reproduces() {
 #[test]
 fn bad_references_and_an_unprepared_node_get_clear_errors() {
     let data = tempfile::tempdir().unwrap();
-    let reg = Registry::start(data.path(), "127.0.0.1:0");
+    let reg = Registry::start_in(data.path(), &[]);
     let bare = Node::bare();
     let e = bare.amber(&reg, &["run", "x/y:v1", "--", "true"]);
     assert_eq!(e.status.code(), Some(125));

@@ -12,7 +12,7 @@ use common::*;
 #[test]
 fn a_sandbox_keeps_its_state_across_exec_and_copies() {
     let data = tempfile::tempdir().unwrap();
-    let reg = Registry::start(data.path(), "127.0.0.1:0");
+    let reg = Registry::start_in(data.path(), &[]);
     let node = Node::setup(&reg);
     debian_base();
     let image = format!("{}/sandbox/worker:v1", reg.addr);

@@ -2,156 +2,43 @@
 //! qemu-io): bit-identical device, lazy fetching, warm cache, and a corrupted chunk in
 //! the registry's store reaching the client only as an I/O error.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::time::Duration;
 
 use amber_converter::manifest::EnvDigest;
 use amber_snapshotter::cache::ChunkCache;
 use amber_snapshotter::device::LazyDevice;
 use amber_snapshotter::source::RegistrySource;
-use sha2::Digest as _;
-
-/// The real `amber-registry` binary, built by `cargo build --workspace` (scripts/test).
-struct Registry {
-    child: Child,
-    addr: String,
-    data: tempfile::TempDir,
-}
-
-impl Registry {
-    fn start() -> Registry {
-        let exe = std::env::current_exe().unwrap();
-        let bin = exe
-            .parent()
-            .unwrap()
-            .parent()
-            .unwrap()
-            .join("amber-registry");
-        assert!(
-            bin.exists(),
-            "{} is missing: build the workspace first (scripts/test does)",
-            bin.display()
-        );
-        let data = tempfile::tempdir().unwrap();
-        let log = std::fs::File::create(data.path().join("registry.log")).unwrap();
-        let mut child = Command::new(&bin)
-            .args(["serve", "--listen", "127.0.0.1:0", "--data"])
-            .arg(data.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let addr = line
-            .trim()
-            .strip_prefix("listening on ")
-            .expect("registry started")
-            .to_string();
-        Registry { child, addr, data }
-    }
-    fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn sha256_hex(b: &[u8]) -> String {
-    hex::encode(sha2::Sha256::digest(b))
-}
+use amber_testkit::layer::Layer;
+use amber_testkit::registry::{push_image, settled};
+use amber_testkit::Registry;
 
 /// A layer with one 12 MiB file of varied bytes and some small files.
 fn layer() -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    let mut add = |path: &str, data: &[u8]| {
-        let mut h = tar::Header::new_gnu();
-        h.set_entry_type(tar::EntryType::Regular);
-        h.set_mode(0o644);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(0);
-        h.set_size(data.len() as u64);
-        b.append_data(&mut h, path, data).unwrap();
-    };
     let big: Vec<u8> = (0..12u32 << 20)
         .map(|i| (i.wrapping_mul(2654435761) >> 17) as u8)
         .collect();
-    add("opt/big.bin", &big);
-    for i in 0..50 {
-        add(&format!("etc/conf{i}"), format!("setting {i}\n").as_bytes());
-    }
-    b.into_inner().unwrap()
+    (0..50)
+        .fold(Layer::new().file("opt/big.bin", 0o644, &big), |l, i| {
+            l.file(&format!("etc/conf{i}"), 0o644, format!("setting {i}\n").as_bytes())
+        })
+        .tar()
 }
 
 /// Pushes a one-layer image and waits for its conversion; returns the env digest.
 async fn push_and_convert(reg: &Registry) -> EnvDigest {
-    let c = reqwest::Client::new();
-    let push = |data: Vec<u8>| {
-        let c = c.clone();
-        let url = reg.url();
-        async move {
-            let d = format!("sha256:{}", sha256_hex(&data));
-            let r = c
-                .post(format!("{url}/v2/nbd/img/blobs/uploads/?digest={d}"))
-                .body(data.clone())
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status(), 201);
-            (d, data.len())
-        }
-    };
-    let config =
-        br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#
-            .to_vec();
-    let (cd, cn) = push(config).await;
-    let (ld, ln) = push(layer()).await;
-    let m = serde_json::json!({
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": cn},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": ld, "size": ln}],
-    });
-    let r = c
-        .put(format!("{}/v2/nbd/img/manifests/v1", reg.url()))
-        .header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
-        .body(m.to_string())
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 201);
-    for _ in 0..3000 {
-        let v: serde_json::Value = c
-            .get(format!("{}/amber/v1/resolve/nbd/img/v1", reg.url()))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if v["state"] == "done" {
-            return v["env_digest"].as_str().unwrap().parse().unwrap();
-        }
-        assert_ne!(v["state"], "failed", "{v}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("conversion never finished");
+    let config = r#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#;
+    push_image(reg, "nbd/img", "v1", &layer(), config).await;
+    let v = settled(reg, "nbd/img", "v1").await;
+    assert_eq!(v["state"], "done", "{v}");
+    v["env_digest"].as_str().unwrap().parse().unwrap()
 }
 
 /// The device assembled directly from the registry (the reference bytes).
 async fn reference_device(reg: &Registry, env: &EnvDigest) -> Vec<u8> {
-    let src = RegistrySource::new(&reg.url());
+    let src = RegistrySource::new(&reg.url(""));
     let m = src.manifest(env).await.unwrap().manifest;
     let mut dev = vec![0u8; m.device_size as usize];
     for e in &m.extents {
@@ -177,7 +64,7 @@ impl Drop for Export {
 }
 
 async fn export(reg: &Registry, env: &EnvDigest, cache_dir: &Path, work: &Path) -> Export {
-    let src = Arc::new(RegistrySource::new(&reg.url()));
+    let src = Arc::new(RegistrySource::new(&reg.url("")));
     let m = src.manifest(env).await.unwrap().manifest;
     let cache = Arc::new(ChunkCache::open(cache_dir, 1 << 30, src).unwrap());
     let device = Arc::new(LazyDevice::new(m, cache.clone()));
@@ -215,7 +102,7 @@ async fn qemu(tool: &str, args: Vec<String>) -> std::process::Output {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn qemu_reads_a_bit_identical_device_lazily_and_a_warm_cache_fetches_nothing() {
-    let reg = Registry::start();
+    let reg = Registry::start(&[]);
     let env = push_and_convert(&reg).await;
     let want = reference_device(&reg, &env).await;
     let work = tempfile::tempdir().unwrap();
@@ -262,7 +149,7 @@ async fn qemu_reads_a_bit_identical_device_lazily_and_a_warm_cache_fetches_nothi
     assert!(out.status.success(), "{out:?}");
     let got = std::fs::read(&raw).unwrap();
     assert_eq!(got.len(), want.len());
-    assert_eq!(sha256_hex(&got), sha256_hex(&want));
+    assert_eq!(amber_testkit::sha256(&got), amber_testkit::sha256(&want));
     drop(ex);
 
     // Warm: a new export over the same node cache fetches nothing.
@@ -281,7 +168,7 @@ async fn qemu_reads_a_bit_identical_device_lazily_and_a_warm_cache_fetches_nothi
     )
     .await;
     assert!(out.status.success(), "{out:?}");
-    assert_eq!(sha256_hex(&std::fs::read(&raw).unwrap()), sha256_hex(&want));
+    assert_eq!(amber_testkit::sha256(&std::fs::read(&raw).unwrap()), amber_testkit::sha256(&want));
     assert_eq!(ex.cache.stats.fetches.load(Relaxed), 0, "warm cache");
     // Writes are refused: the export is read-only.
     let out = qemu(
@@ -311,17 +198,13 @@ async fn qemu_reads_a_bit_identical_device_lazily_and_a_warm_cache_fetches_nothi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_chunk_corrupted_in_the_registry_store_is_an_io_error_for_the_client() {
-    let reg = Registry::start();
+    let reg = Registry::start(&[]);
     let env = push_and_convert(&reg).await;
-    let src = RegistrySource::new(&reg.url());
+    let src = RegistrySource::new(&reg.url(""));
     let m = src.manifest(&env).await.unwrap().manifest;
     // Corrupt the stored chunk holding the start of the big file (the largest extent).
     let victim = m.extents.iter().max_by_key(|e| e.length).unwrap().clone();
-    let hex = victim.chunk.hex();
-    let path = reg
-        .data
-        .path()
-        .join(format!("store/chunks/blake3/{}/{hex}", &hex[..2]));
+    let path = reg.chunk_file(&victim.chunk.to_string());
     let other: Vec<u8> = vec![0x42; victim.length as usize];
     std::fs::write(&path, zstd::bulk::compress(&other, 3).unwrap()).unwrap();
 

@@ -1,0 +1,124 @@
+//! The environment scripts/test prepares: variables it sets, tools it installs, the
+//! Docker engine it starts, the workspace's built binaries and fixtures.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::Digest as _;
+
+/// A variable scripts/test sets; panics naming it when it is not set.
+pub fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set: scripts/test sets it"))
+}
+
+/// The target profile directory holding the workspace's binaries (`target/debug`): the
+/// test executable lives in its `deps/`.
+pub fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test executable's path");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("the test executable is in <target>/<profile>/deps")
+        .to_path_buf()
+}
+
+/// A binary of the workspace, built by `cargo build --workspace` (scripts/test does).
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let bin = target_dir().join(name);
+    assert!(
+        bin.exists(),
+        "{} is missing: build the workspace first (scripts/test does)",
+        bin.display()
+    );
+    bin
+}
+
+/// The repository root (for fixtures/).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("testkit is in the workspace")
+        .to_path_buf()
+}
+
+/// A tool the test needs; fails loudly when it is missing.
+pub fn require_tool(name: &str) -> PathBuf {
+    std::env::var_os("PATH")
+        .and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|p| p.is_file()))
+        .unwrap_or_else(|| panic!("`{name}` is required by this test but is not on PATH; run scripts/test, which installs it"))
+}
+
+/// Runs a command, panicking with its output if it fails; returns stdout.
+pub fn run(cmd: &mut Command) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    if !out.status.success() {
+        panic!(
+            "{cmd:?} failed with {}:\nstdout:\n{}\nstderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+pub fn sha256(data: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(sha2::Sha256::digest(data)))
+}
+
+pub fn sha512(data: &[u8]) -> String {
+    format!("sha512:{}", hex::encode(sha2::Sha512::digest(data)))
+}
+
+/// The docker CLI against the engine scripts/test started (AMBER_TEST_DOCKER_HOST).
+pub fn docker() -> Command {
+    require_tool("docker");
+    let mut c = Command::new("docker");
+    c.arg("-H").arg(env("AMBER_TEST_DOCKER_HOST"));
+    c
+}
+
+/// Runs the docker CLI with `args`; returns stdout.
+pub fn docker_ok(args: &[&str]) -> String {
+    run(docker().args(args))
+}
+
+/// The Debian base imported into the engine as `amber-test/debian:bookworm` (the same
+/// bytes every time: scripts/test builds it once with debootstrap).
+pub fn debian_base() {
+    docker_ok(&[
+        "import",
+        &env("AMBER_TEST_DEBIAN_ROOTFS"),
+        "amber-test/debian:bookworm",
+    ]);
+}
+
+/// Builds `dockerfile` (with `files` beside it) as `image` and pushes it with the Docker
+/// engine; returns the pushed manifest digest.
+pub fn build_and_push(image: &str, dockerfile: &str, files: &[(&str, &Path)]) -> String {
+    let ctx = tempfile::tempdir().expect("temp dir");
+    std::fs::write(ctx.path().join("Dockerfile"), dockerfile).expect("writing the Dockerfile");
+    for (name, src) in files {
+        std::fs::copy(src, ctx.path().join(name))
+            .unwrap_or_else(|e| panic!("copying {}: {e}", src.display()));
+    }
+    run(docker()
+        .args(["build", "-q", "--network", "host", "-t", image])
+        .arg(ctx.path()));
+    let push = run(docker().args(["push", image]));
+    push.split("digest: ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .expect("pushed digest")
+        .to_string()
+}
+
+/// Peak or current memory of a process from /proc/PID/status (`VmHWM:`, `VmRSS:`), KiB.
+pub fn proc_status_kib(pid: u32, field: &str) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    s.lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} missing from /proc/{pid}/status"))
+}
