@@ -11,8 +11,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
-    let manifest_dir = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it"));
-    let root = manifest_dir.parent().expect("the runner is in the workspace").to_path_buf();
+    let manifest_dir =
+        PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets it"));
+    let root = manifest_dir
+        .parent()
+        .expect("the runner is in the workspace")
+        .to_path_buf();
     for p in ["guest/src", "guest/Cargo.toml", "Cargo.lock"] {
         println!("cargo:rerun-if-changed={}", root.join(p).display());
     }
@@ -21,7 +25,14 @@ fn main() {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(&root)
-        .args(["rustc", "--release", "--locked", "--offline", "-p", "amber-guest"])
+        .args([
+            "rustc",
+            "--release",
+            "--locked",
+            "--offline",
+            "-p",
+            "amber-guest",
+        ])
         .args(["--bin", "amber-guest", "--target-dir"])
         .arg(&target)
         .args(["--", "-C", "target-feature=+crt-static"]);
@@ -48,8 +59,13 @@ fn main() {
             cmd.env_remove(&k);
         }
     }
-    let status = cmd.status().expect("running cargo to build the guest agent");
-    assert!(status.success(), "building the static guest agent failed: {status}");
+    let status = cmd
+        .status()
+        .expect("running cargo to build the guest agent");
+    assert!(
+        status.success(),
+        "building the static guest agent failed: {status}"
+    );
     let agent = target.join("release/amber-guest");
     assert!(agent.is_file(), "{} was not built", agent.display());
     println!("cargo:rustc-env=AMBER_GUEST_AGENT={}", agent.display());

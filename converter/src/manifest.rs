@@ -6,7 +6,6 @@
 //! not covered by an extent read as zeros. Provenance lives beside the manifest in
 //! `ManifestEnvelope`, never inside what the digest covers.
 
-
 use serde::{Deserialize, Serialize};
 
 pub use amber_oci::env::{BadBlake3, ChunkId, EnvDigest};

@@ -340,10 +340,18 @@ mod tests {
     fn protocol_versions() {
         assert_eq!(Ready::parse(b"").unwrap().protocol, 0);
         assert!(Ready::parse(b"").unwrap().check().is_ok());
-        let now = serde_json::to_vec(&Ready { protocol: PROTOCOL_VERSION }).unwrap();
+        let now = serde_json::to_vec(&Ready {
+            protocol: PROTOCOL_VERSION,
+        })
+        .unwrap();
         assert!(Ready::parse(&now).unwrap().check().is_ok());
-        let future = Ready { protocol: PROTOCOL_VERSION + 1 };
-        assert!(future.check().unwrap_err().contains("speaks protocol version"));
+        let future = Ready {
+            protocol: PROTOCOL_VERSION + 1,
+        };
+        assert!(future
+            .check()
+            .unwrap_err()
+            .contains("speaks protocol version"));
         assert!(Ready::parse(b"{").is_err());
     }
 }

@@ -56,8 +56,7 @@ pub struct ImageConfig {
 
 impl ImageConfig {
     pub fn parse(bytes: &[u8]) -> Result<ImageConfig, ConfigError> {
-        let d: Document =
-            serde_json::from_slice(bytes).map_err(|e| ConfigError(e.to_string()))?;
+        let d: Document = serde_json::from_slice(bytes).map_err(|e| ConfigError(e.to_string()))?;
         let s = d.config.unwrap_or(Settings {
             entrypoint: None,
             cmd: None,
@@ -107,7 +106,11 @@ mod tests {
             b"[]",
             b"not json",
         ] {
-            assert!(ImageConfig::parse(bad).is_err(), "{:?} accepted", String::from_utf8_lossy(bad));
+            assert!(
+                ImageConfig::parse(bad).is_err(),
+                "{:?} accepted",
+                String::from_utf8_lossy(bad)
+            );
         }
     }
 }

@@ -28,7 +28,6 @@ pub const GUEST_VMLINUZ: &str = "application/vnd.amber.guest.vmlinuz";
 pub const GUEST_MODULES: &str = "application/vnd.amber.guest.modules.v1.tar";
 pub const GUEST_INITRAMFS: &str = "application/vnd.amber.guest.initramfs.v1.cpio";
 
-
 /// Layers whose bytes live outside the registry (clients may not push them).
 pub fn non_distributable(media_type: &str) -> bool {
     media_type.contains("nondistributable") || media_type.contains(".foreign.")

@@ -179,16 +179,30 @@ mod tests {
     #[test]
     fn docker_short_names() {
         let full = |s: &str| ImageRef::parse(s).unwrap().docker_normalized().to_string();
-        assert_eq!(full("python:3.11-slim"), "docker.io/library/python:3.11-slim");
+        assert_eq!(
+            full("python:3.11-slim"),
+            "docker.io/library/python:3.11-slim"
+        );
         assert_eq!(full("python"), "docker.io/library/python:latest");
         assert_eq!(full("user/app:v1"), "docker.io/user/app:v1");
         assert_eq!(full("ghcr.io/o/r:t"), "ghcr.io/o/r:t");
-        assert_eq!(full(&format!("ubuntu@{D}")), format!("docker.io/library/ubuntu@{D}"));
+        assert_eq!(
+            full(&format!("ubuntu@{D}")),
+            format!("docker.io/library/ubuntu@{D}")
+        );
     }
 
     #[test]
     fn bad_references() {
-        for bad in ["", "A/b", "a/b:", "a/b:bad/tag", "a@sha256:00", "blake3:00", "a//b"] {
+        for bad in [
+            "",
+            "A/b",
+            "a/b:",
+            "a/b:bad/tag",
+            "a@sha256:00",
+            "blake3:00",
+            "a//b",
+        ] {
             assert!(ImageRef::parse(bad).is_err(), "{bad:?} accepted");
         }
     }

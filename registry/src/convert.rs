@@ -21,13 +21,13 @@ use serde_json::{json, Value};
 use tokio::runtime::Handle;
 use tokio_util::io::{StreamReader, SyncIoBridge};
 
-use amber_oci::manifest::{ManifestKind, ParsedManifest};
-use amber_oci::digest::{Algorithm, Digest};
-use crate::index::{Conversion, ConversionState, ManifestRecord, ManifestWrite};
-use amber_oci::names::RepoName;
 use crate::clock::now_unix;
+use crate::index::{Conversion, ConversionState, ManifestRecord, ManifestWrite};
 use crate::registry::Registry;
 use crate::store::{ObjectKey, ObjectStore};
+use amber_oci::digest::{Algorithm, Digest};
+use amber_oci::manifest::{ManifestKind, ParsedManifest};
+use amber_oci::names::RepoName;
 
 pub const BLOCK_MANIFEST_TYPE: &str = amber_oci::media::BLOCK_MANIFEST_ARTIFACT;
 /// The referrer artifact's layer: the envelope JSON as one zstd frame.
@@ -102,12 +102,10 @@ pub fn on_manifest_pushed(
             }
             digest.clone()
         }
-        ManifestKind::Index => {
-            match parsed.linux_amd64() {
-                Some(d) => d.digest.clone(),
-                None => return,
-            }
-        }
+        ManifestKind::Index => match parsed.linux_amd64() {
+            Some(d) => d.digest.clone(),
+            None => return,
+        },
     };
     if let Err(e) = enqueue(reg, repo, &target) {
         tracing::error!(error = %e, image = %target, "queueing conversion");

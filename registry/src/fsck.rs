@@ -6,9 +6,9 @@
 use amber_converter::manifest::{ChunkId, ManifestEnvelope};
 use futures_util::StreamExt;
 
-use amber_oci::digest::Digest;
 use crate::registry::Registry;
 use crate::store::ObjectKey;
+use amber_oci::digest::Digest;
 
 /// One inconsistency found by fsck.
 #[derive(Debug, PartialEq, Eq)]

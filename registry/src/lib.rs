@@ -26,7 +26,7 @@ pub mod index;
 pub mod metrics;
 pub mod records;
 pub mod registry;
-pub mod repository;
 pub mod reindex;
+pub mod repository;
 pub mod server;
 pub mod store;

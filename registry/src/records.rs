@@ -15,11 +15,11 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use amber_oci::digest::Digest;
 use crate::index::{Conversion, IndexError, ManifestRecord, ManifestWrite};
-use amber_oci::names::{RepoName, Tag};
 use crate::registry::Registry;
 use crate::store::{RecordKey, StoreError};
+use amber_oci::digest::Digest;
+use amber_oci::names::{RepoName, Tag};
 
 /// Attempts at moving a tag before a push is refused as contended (each attempt loses
 /// only to a push that moved the tag meanwhile).

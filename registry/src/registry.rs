@@ -10,10 +10,10 @@ use std::time::Duration;
 use anyhow::Context;
 
 use crate::config::{Config, StorageKind};
-use crate::store::fs::FsStore;
-use amber_oci::digest::{Algorithm, Hasher};
 use crate::index::{Index, IndexError};
+use crate::store::fs::FsStore;
 use crate::store::{ObjectStore, StoreError};
+use amber_oci::digest::{Algorithm, Hasher};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {

@@ -7,14 +7,14 @@ use std::sync::Arc;
 
 use anyhow::Context;
 
-use crate::config::Config;
-use amber_oci::digest::Digest;
-use crate::index::Index;
-use amber_oci::names::{RepoName, Tag};
-use crate::records::ManifestLink;
 use crate::clock::now_unix;
+use crate::config::Config;
+use crate::index::Index;
+use crate::records::ManifestLink;
 use crate::registry::Registry;
 use crate::store::RecordKey;
+use amber_oci::digest::Digest;
+use amber_oci::names::{RepoName, Tag};
 
 /// What a reindex found.
 #[derive(Debug, Default, PartialEq, Eq)]

@@ -41,9 +41,7 @@ pub enum PushError {
     },
     #[error("blob {digest} referenced by the manifest is not in repository {repo}; push it first")]
     BlobUnknown { repo: RepoName, digest: Digest },
-    #[error(
-        "manifest {digest} listed by the index is not in repository {repo}; push it first"
-    )]
+    #[error("manifest {digest} listed by the index is not in repository {repo}; push it first")]
     ChildUnknown { repo: RepoName, digest: Digest },
     #[error(transparent)]
     Record(#[from] RecordError),

@@ -12,7 +12,6 @@ use std::process::Command;
 
 use common::*;
 
-
 /// The busybox root file system tar the fixture images build on.
 fn base_rootfs(dir: &Path) -> PathBuf {
     let out = dir.join("busybox-rootfs.tar");

@@ -11,7 +11,10 @@ fn layers() -> Vec<Vec<u8>> {
         .map(|i| (i.wrapping_mul(2654435761) >> 11) as u8)
         .collect();
     vec![
-        files_tar(&[("usr/lib/big.so", &big[..]), ("etc/os-release", b"ID=test\n")]),
+        files_tar(&[
+            ("usr/lib/big.so", &big[..]),
+            ("etc/os-release", b"ID=test\n"),
+        ]),
         files_tar(&[
             ("app/main.py", &b"print(1)\n"[..]),
             ("app/data.txt", &b"data ".repeat(3000)),

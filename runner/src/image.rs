@@ -238,7 +238,10 @@ mod tests {
         assert!(verified(b"right".to_vec(), &d, "image config of a").is_ok());
         let e = verified(b"wrong".to_vec(), &d, "image config of a").unwrap_err();
         let msg = e.to_string();
-        assert!(msg.starts_with("integrity error: image config of a sha256:"), "{msg}");
+        assert!(
+            msg.starts_with("integrity error: image config of a sha256:"),
+            "{msg}"
+        );
         assert!(msg.contains(&d.to_string()), "{msg}");
     }
 

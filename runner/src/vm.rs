@@ -127,7 +127,8 @@ impl Vm {
         loop {
             match control.recv().await {
                 Some(f) if f.kind == READY => {
-                    let ready = amber_guest::Ready::parse(&f.payload).map_err(anyhow::Error::msg)?;
+                    let ready =
+                        amber_guest::Ready::parse(&f.payload).map_err(anyhow::Error::msg)?;
                     if let Err(why) = ready.check() {
                         bail!("{why}");
                     }

@@ -1,7 +1,8 @@
 //! Lazy and verified: `amber run -- true` on an image of more than 500 MiB fetches at most
 //! 10% of the image's bytes; a second run on the node fetches no chunk; a chunk corrupted
 //! in the registry's store fails the run with an integrity error naming it, and the node
-//! cache never keeps it.
+//! cache never keeps it; a tampered image manifest or config is an integrity error naming
+//! it, with nothing run.
 
 mod common;
 
@@ -80,8 +81,32 @@ fn a_big_image_boots_lazily_and_a_corrupt_chunk_is_an_integrity_error() {
         !cached.exists(),
         "the node cache kept a chunk that failed verification"
     );
-    // Repaired in the store, the same node runs again.
     std::fs::write(&file, good).unwrap();
-    let o = node.amber(&reg, &["run", &pinned, "--", "true"]);
-    assert!(o.status.success(), "{}", stderr(&o));
+
+    // The image manifest and config are verified against their digests too: one byte
+    // changed in the store (same length, so the registry serves it as it would the
+    // original) is an integrity error naming the object, and the command never runs.
+    let config = manifest["config"]["digest"].as_str().unwrap().to_string();
+    for (object, digest) in [("image config", &config), ("image manifest", &digest)] {
+        let file = reg.blob_file(digest);
+        let good = std::fs::read(&file).unwrap();
+        let mut bad = good.clone();
+        let at = bad.iter().position(|&b| b == b'"').expect("a JSON string");
+        bad[at + 1] ^= 0x01;
+        std::fs::write(&file, &bad).unwrap();
+        let o = node.amber(&reg, &["run", &pinned, "--", "echo", "ran"]);
+        std::fs::write(&file, &good).unwrap();
+        assert_ne!(o.status.code(), Some(0), "{}", stderr(&o));
+        assert_eq!(stdout(&o), "", "the command ran on tampered {object}");
+        let want = format!("integrity error: {object} of lazy/big {digest}");
+        assert!(
+            stderr(&o).contains(&want),
+            "want {want:?} in {}",
+            stderr(&o)
+        );
+    }
+
+    // Repaired in the store, the same node runs again.
+    let o = node.amber(&reg, &["run", &pinned, "--", "echo", "ran"]);
+    assert_eq!(stdout(&o), "ran\n", "{}", stderr(&o));
 }

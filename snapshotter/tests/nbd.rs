@@ -22,14 +22,19 @@ fn layer() -> Vec<u8> {
         .collect();
     (0..50)
         .fold(Layer::new().file("opt/big.bin", 0o644, &big), |l, i| {
-            l.file(&format!("etc/conf{i}"), 0o644, format!("setting {i}\n").as_bytes())
+            l.file(
+                &format!("etc/conf{i}"),
+                0o644,
+                format!("setting {i}\n").as_bytes(),
+            )
         })
         .tar()
 }
 
 /// Pushes a one-layer image and waits for its conversion; returns the env digest.
 async fn push_and_convert(reg: &Registry) -> EnvDigest {
-    let config = r#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#;
+    let config =
+        r#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#;
     push_image(reg, "nbd/img", "v1", &layer(), config).await;
     let v = settled(reg, "nbd/img", "v1").await;
     assert_eq!(v["state"], "done", "{v}");
@@ -168,7 +173,10 @@ async fn qemu_reads_a_bit_identical_device_lazily_and_a_warm_cache_fetches_nothi
     )
     .await;
     assert!(out.status.success(), "{out:?}");
-    assert_eq!(amber_testkit::sha256(&std::fs::read(&raw).unwrap()), amber_testkit::sha256(&want));
+    assert_eq!(
+        amber_testkit::sha256(&std::fs::read(&raw).unwrap()),
+        amber_testkit::sha256(&want)
+    );
     assert_eq!(ex.cache.stats.fetches.load(Relaxed), 0, "warm cache");
     // Writes are refused: the export is read-only.
     let out = qemu(

@@ -99,7 +99,6 @@ pub fn zstd(data: &[u8]) -> Vec<u8> {
     zstd::bulk::compress(data, 3).unwrap()
 }
 
-
 /// A layer of regular files (mode 0644, root-owned), in the order given.
 pub fn files_tar(files: &[(&str, &[u8])]) -> Vec<u8> {
     files

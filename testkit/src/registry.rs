@@ -313,7 +313,13 @@ pub async fn image_manifest(s: &Registry, repo: &str, seed: &str, extra: &str) -
 
 /// Pushes an image of one gzip layer (`layer_tar`) and its config as `repo:tag`; returns
 /// the manifest digest.
-pub async fn push_image(s: &Registry, repo: &str, tag: &str, layer_tar: &[u8], config: &str) -> String {
+pub async fn push_image(
+    s: &Registry,
+    repo: &str,
+    tag: &str,
+    layer_tar: &[u8],
+    config: &str,
+) -> String {
     let layer = crate::layer::gzip(layer_tar);
     let ld = push_blob(s, repo, &layer).await;
     let cd = push_blob(s, repo, config.as_bytes()).await;
@@ -322,7 +328,14 @@ pub async fn push_image(s: &Registry, repo: &str, tag: &str, layer_tar: &[u8], c
         config.len(),
         layer.len()
     );
-    let r = put_manifest(s, repo, tag, "application/vnd.oci.image.manifest.v1+json", &manifest).await;
+    let r = put_manifest(
+        s,
+        repo,
+        tag,
+        "application/vnd.oci.image.manifest.v1+json",
+        &manifest,
+    )
+    .await;
     assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
     sha256(manifest.as_bytes())
 }

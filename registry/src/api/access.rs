@@ -9,8 +9,8 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
 use super::{header_str, param, query, AppState};
-use crate::auth::{Action, Principal, Refusal};
 use crate::api::error::ApiError;
+use crate::auth::{Action, Principal, Refusal};
 use amber_oci::names::Route;
 
 /// What a request needs.
@@ -66,13 +66,30 @@ pub fn need_of_amber(path: &str) -> Need {
     }
 }
 
+/// `Auth::authenticate` off the async workers' cooperative path: a Basic login not seen
+/// recently costs an argon2 verification (tens of milliseconds of CPU), which must not
+/// stall the other requests on this worker. `block_in_place` hands them to another
+/// worker while this one verifies.
+fn authenticate(
+    auth: &crate::auth::Auth,
+    authorization: Option<&str>,
+) -> Result<Principal, Refusal> {
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi_thread {
+        tokio::task::block_in_place(|| auth.authenticate(authorization))
+    } else {
+        auth.authenticate(authorization)
+    }
+}
+
 /// Authenticates `req` and checks `need`. Ok(None) when authentication is off.
 pub fn check(reg: &AppState, req: &Request, need: &Need) -> Result<Option<Principal>, ApiError> {
     let Some(auth) = &reg.auth else {
         return Ok(None);
     };
     let authorization = header_str(req.headers(), header::AUTHORIZATION);
-    let principal = match auth.authenticate(authorization) {
+    let principal = match authenticate(auth, authorization) {
         Ok(p) => p,
         Err(Refusal::RateLimited(msg)) => return Err(too_many(msg)),
         Err(Refusal::Unauthenticated(msg)) => return Err(challenge(auth, req, need, msg)),
@@ -143,7 +160,7 @@ pub async fn token(reg: &AppState, req: Request) -> Response {
         return ApiError::unsupported("the token endpoint answers GET").into_response();
     }
     let authorization = header_str(req.headers(), header::AUTHORIZATION);
-    let account = match auth.authenticate(authorization) {
+    let account = match authenticate(auth, authorization) {
         Ok(Principal::Account(a)) => a,
         Ok(Principal::Token(_)) => {
             return ApiError::new(

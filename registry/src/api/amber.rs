@@ -1,16 +1,16 @@
 //! The amber API under `/amber/v1/` over HTTP; its types and paths are `amber_api::registry`'s.
 
+use amber_api::registry::{ConversionState, Resolve};
 use amber_converter::manifest::{ChunkId, EnvDigest};
+use amber_oci::manifest::{parse_manifest, ManifestKind};
 use axum::extract::Request;
 use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use amber_api::registry::{ConversionState, Resolve};
-use amber_oci::manifest::{parse_manifest, ManifestKind};
 
 use super::{header_str, AppState};
 use crate::api::error::{ApiError, ApiResult};
-use amber_oci::names::{Reference, RepoName};
 use crate::store::ObjectKey;
+use amber_oci::names::{Reference, RepoName};
 
 const IMMUTABLE: &str = "public, max-age=31536000, immutable";
 

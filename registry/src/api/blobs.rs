@@ -4,10 +4,10 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use super::{counted_body, header_str, AppState};
-use amber_oci::digest::Digest;
 use crate::api::error::{ApiError, ApiResult};
-use amber_oci::names::RepoName;
 use crate::store::ObjectKey;
+use amber_oci::digest::Digest;
+use amber_oci::names::RepoName;
 
 /// A byte range request against an object of `size` bytes, resolved to `start..end`.
 /// `None` for no (or an ignorable multi-range) header; an error for unsatisfiable or

@@ -10,8 +10,8 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use crate::index::IndexError;
-use amber_oci::names::NameError;
 use crate::store::StoreError;
+use amber_oci::names::NameError;
 
 #[derive(Debug)]
 pub struct ApiError {
@@ -169,9 +169,11 @@ impl From<crate::records::RecordError> for ApiError {
         match e {
             RecordError::Store(e) => e.into(),
             RecordError::Index(e) => e.into(),
-            e @ RecordError::Contended { .. } => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "UNAVAILABLE", e.to_string())
-            }
+            e @ RecordError::Contended { .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "UNAVAILABLE",
+                e.to_string(),
+            ),
             e @ RecordError::Corrupt { .. } => ApiError::internal("records", e),
         }
     }
@@ -184,9 +186,11 @@ impl From<crate::repository::PushError> for ApiError {
             PushError::Invalid(e) => ApiError::manifest_invalid(e.0),
             e @ PushError::DigestMismatch { .. } => ApiError::digest_invalid(e.to_string()),
             e @ PushError::BlobSize { .. } => ApiError::manifest_invalid(e.to_string()),
-            e @ (PushError::BlobUnknown { .. } | PushError::ChildUnknown { .. }) => {
-                ApiError::new(StatusCode::BAD_REQUEST, "MANIFEST_BLOB_UNKNOWN", e.to_string())
-            }
+            e @ (PushError::BlobUnknown { .. } | PushError::ChildUnknown { .. }) => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "MANIFEST_BLOB_UNKNOWN",
+                e.to_string(),
+            ),
             PushError::Record(e) => e.into(),
             PushError::Store(e) => e.into(),
         }

@@ -7,10 +7,10 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 
-use amber_oci::media::OCI_INDEX;
 use super::{param, query, AppState};
-use amber_oci::digest::Digest;
 use crate::api::error::{ApiError, ApiResult};
+use amber_oci::digest::Digest;
+use amber_oci::media::OCI_INDEX;
 use amber_oci::names::RepoName;
 
 /// Page size when the client gives no `n`, and the largest one it may ask for.

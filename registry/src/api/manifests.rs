@@ -8,10 +8,10 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 
 use super::{header_str, AppState};
-use amber_oci::digest::Digest;
 use crate::api::error::{ApiError, ApiResult};
-use amber_oci::names::{Reference, RepoName};
 use crate::store::ObjectKey;
+use amber_oci::digest::Digest;
+use amber_oci::names::{Reference, RepoName};
 
 async fn resolve(reg: &AppState, name: &RepoName, r: &Reference) -> ApiResult<Digest> {
     match r {

@@ -3,14 +3,13 @@
 //! Repository names contain `/`, so every `/v2/` request goes through one dispatcher
 //! that parses the path with `names::Route` and picks the handler by method and route.
 
-pub mod error;
 mod access;
 mod amber;
 mod blobs;
+pub mod error;
 mod listing;
 mod manifests;
 mod uploads;
-
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,9 +24,9 @@ use axum::Router;
 use futures_util::StreamExt;
 
 use crate::api::error::ApiError;
-use amber_oci::names::Route;
 use crate::registry::Registry;
 use crate::store::ByteStream;
+use amber_oci::names::Route;
 
 pub type AppState = Arc<Registry>;
 

@@ -15,13 +15,13 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 
 use super::{header_str, param, query, request_stream, AppState};
-use amber_oci::digest::{Algorithm, Digest};
 use crate::api::error::{ApiError, ApiResult};
-use crate::index::UploadSession;
-use amber_oci::names::{parse_content_range, RepoName};
 use crate::clock::now_unix;
+use crate::index::UploadSession;
 use crate::registry::HashState;
 use crate::store::{ByteStream, ObjectKey, StoreError};
+use amber_oci::digest::{Algorithm, Digest};
+use amber_oci::names::{parse_content_range, RepoName};
 
 fn location(name: &RepoName, id: &str) -> String {
     format!("/v2/{name}/blobs/uploads/{id}")
@@ -66,8 +66,9 @@ fn created(name: &RepoName, digest: &Digest) -> Response {
 fn digest_param(q: &[(String, String)]) -> ApiResult<Option<Digest>> {
     param(q, "digest")
         .map(|d| {
-            d.parse()
-                .map_err(|e: amber_oci::digest::DigestError| ApiError::digest_invalid(e.to_string()))
+            d.parse().map_err(|e: amber_oci::digest::DigestError| {
+                ApiError::digest_invalid(e.to_string())
+            })
         })
         .transpose()
 }

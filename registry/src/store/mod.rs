@@ -93,7 +93,11 @@ impl RecordKey {
     }
 
     /// Manifest `digest` of `repo` has subject `subject`.
-    pub fn referrer(repo: &amber_oci::names::RepoName, subject: &Digest, digest: &Digest) -> RecordKey {
+    pub fn referrer(
+        repo: &amber_oci::names::RepoName,
+        subject: &Digest,
+        digest: &Digest,
+    ) -> RecordKey {
         RecordKey(format!(
             "_records/repos/{repo}/_referrers/{subject}/{digest}"
         ))

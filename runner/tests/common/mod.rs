@@ -11,9 +11,9 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
 pub use amber_testkit::registry::*;
-pub use amber_testkit::tools::*;
 /// Runs a command that must succeed; returns stdout.
 pub use amber_testkit::tools::run as ok;
+pub use amber_testkit::tools::*;
 
 /// One node: its own AMBER_HOME (boot files, chunk cache, sandboxes).
 pub struct Node {
