@@ -56,7 +56,17 @@ pub struct ImageConfig {
 
 impl ImageConfig {
     pub fn parse(bytes: &[u8]) -> Result<ImageConfig, ConfigError> {
-        let d: Document = serde_json::from_slice(bytes).map_err(|e| ConfigError(e.to_string()))?;
+        let v: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| ConfigError(e.to_string()))?;
+        if !v.is_object() {
+            return Err(ConfigError("not a JSON object".into()));
+        }
+        if v.get("config")
+            .is_some_and(|c| !c.is_object() && !c.is_null())
+        {
+            return Err(ConfigError("`config` is not an object".into()));
+        }
+        let d: Document = serde_json::from_value(v).map_err(|e| ConfigError(e.to_string()))?;
         let s = d.config.unwrap_or(Settings {
             entrypoint: None,
             cmd: None,
@@ -103,6 +113,7 @@ mod tests {
             &br#"{"config":{"Cmd":"echo hi"}}"#[..],
             br#"{"config":{"Env":[1]}}"#,
             br#"{"config":{"User":0}}"#,
+            br#"{"config":[]}"#,
             b"[]",
             b"not json",
         ] {

@@ -94,10 +94,7 @@ fn amber_run_matches_docker_run_and_a_receipt_reproduces() {
     let a = node.amber_with_stdin(&reg, &["run", "-i", &pinned, "--", "sha256sum"], &input);
     assert_eq!(
         stdout(&a),
-        format!(
-            "{}  -\n",
-            hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&input))
-        ),
+        format!("{}  -\n", &sha256(&input)["sha256:".len()..]),
         "{}",
         stderr(&a)
     );

@@ -46,8 +46,6 @@ pub struct CacheStats {
     pub fetched_chunk_bytes: AtomicU64,
     pub evictions: AtomicU64,
     pub integrity_failures: AtomicU64,
-    /// The latest integrity error, for telling the user which chunk failed.
-    pub last_integrity_error: Mutex<Option<String>>,
 }
 
 #[derive(Default)]
@@ -117,6 +115,7 @@ fn chunk_path(dir: &Path, id: &ChunkId) -> PathBuf {
 impl ChunkCache {
     /// Opens (creating) a cache in `dir` holding at most `capacity` bytes, filled from
     /// `source`. Chunks left by an earlier run are kept; partial writes are removed.
+    /// Blocking (it scans the directory): async callers run it on a blocking thread.
     pub fn open(
         dir: impl Into<PathBuf>,
         capacity: u64,
@@ -160,7 +159,9 @@ impl ChunkCache {
             inflight: Mutex::new(HashMap::new()),
             stats: CacheStats::default(),
         };
-        cache.evict_over_capacity(None);
+        for p in cache.evict_over_capacity(None) {
+            let _ = std::fs::remove_file(p);
+        }
         Ok(cache)
     }
 
@@ -177,16 +178,20 @@ impl ChunkCache {
             .contains_key(id)
     }
 
-    fn evict_over_capacity(&self, keep: Option<&ChunkId>) {
+    /// Drops least recently used chunks (never `keep`) from the accounting until the
+    /// cache is within its bound; returns their files for the caller to remove (on a
+    /// blocking thread when the caller is async). A reader racing the removal sees
+    /// NotFound and fetches again.
+    fn evict_over_capacity(&self, keep: Option<&ChunkId>) -> Vec<PathBuf> {
         let victims = {
             let mut lru = self.lru.lock().unwrap_or_else(|p| p.into_inner());
             let keep = keep.copied().unwrap_or(ChunkId([0; 32]));
             lru.evict(self.capacity, &keep)
         };
-        for id in victims {
-            let _ = std::fs::remove_file(chunk_path(&self.dir, &id));
-            self.stats.evictions.fetch_add(1, Relaxed);
-        }
+        self.stats
+            .evictions
+            .fetch_add(victims.len() as u64, Relaxed);
+        victims.iter().map(|id| chunk_path(&self.dir, id)).collect()
     }
 
     /// Reads `len` bytes at `offset` of chunk `id` (whose uncompressed length is
@@ -302,11 +307,6 @@ impl ChunkCache {
         .map_err(|e| {
             if matches!(e, CacheError::Integrity { .. }) {
                 self.stats.integrity_failures.fetch_add(1, Relaxed);
-                *self
-                    .stats
-                    .last_integrity_error
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
                 tracing::error!(error = %e, "chunk failed verification");
             }
             Arc::new(e)
@@ -316,7 +316,15 @@ impl ChunkCache {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(id, stored);
-        self.evict_over_capacity(Some(&id));
+        let victims = self.evict_over_capacity(Some(&id));
+        if !victims.is_empty() {
+            let _ = tokio::task::spawn_blocking(move || {
+                for p in victims {
+                    let _ = std::fs::remove_file(p);
+                }
+            })
+            .await;
+        }
         Ok(())
     }
 }

@@ -1,7 +1,11 @@
 //! A block device described by a block manifest, read lazily through the node cache:
 //! a read fetches only the chunks it touches; ranges no extent covers read as zeros.
+//!
+//! The device remembers the first chunk of its own that failed verification, so the
+//! sandboxes booted on it can say why their guest saw an I/O error (other devices on
+//! the same node cache are not blamed for it).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use amber_converter::manifest::BlockManifest;
 use bytes::{Bytes, BytesMut};
@@ -11,6 +15,8 @@ use crate::cache::{CacheError, ChunkCache};
 pub struct LazyDevice {
     manifest: BlockManifest,
     cache: Arc<ChunkCache>,
+    /// The first integrity failure of a chunk of this device (`CacheError::Integrity`).
+    integrity: Mutex<Option<Arc<CacheError>>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -24,7 +30,25 @@ pub enum ReadError {
 impl LazyDevice {
     /// `manifest` must be valid (sorted, in range); `RegistrySource::manifest` checks it.
     pub fn new(manifest: BlockManifest, cache: Arc<ChunkCache>) -> LazyDevice {
-        LazyDevice { manifest, cache }
+        LazyDevice {
+            manifest,
+            cache,
+            integrity: Mutex::new(None),
+        }
+    }
+
+    /// The first chunk of this device that failed verification, if one did: the reader
+    /// got an I/O error instead of its bytes.
+    pub fn integrity_failure(&self) -> Option<Arc<CacheError>> {
+        self.integrity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The node cache this device reads through.
+    pub fn cache(&self) -> &Arc<ChunkCache> {
+        &self.cache
     }
 
     pub fn size(&self) -> u64 {
@@ -65,7 +89,14 @@ impl LazyDevice {
         )
         .await;
         for (at, r) in results {
-            let data = r?;
+            let data = r.inspect_err(|e| {
+                if matches!(**e, CacheError::Integrity { .. }) {
+                    self.integrity
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .get_or_insert_with(|| e.clone());
+                }
+            })?;
             out[at as usize..at as usize + data.len()].copy_from_slice(&data);
         }
         Ok(out.freeze())

@@ -1,4 +1,5 @@
-//! `amber`: run pinned environments in microVMs.
+//! `amber`: run pinned environments in microVMs. Parses the command line, reads the
+//! environment, and calls amber-node; errors become one line on stderr and exit 125.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -6,12 +7,13 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
-use amber_guest::{Boot, Request};
-use amber_runner::image::{self, RunConfig};
-use amber_runner::kernel::{self, NodeState};
-use amber_runner::receipt;
-use amber_runner::sandbox::{self, Launch, Record, Sandbox};
-use amber_runner::session::{self, Outcome};
+use amber_node::command::{request, run_argv};
+use amber_node::image::RunConfig;
+use amber_node::kernel;
+use amber_node::receipt;
+use amber_node::run::{boot_and_exec, launch, new_id, VmOptions};
+use amber_node::sandbox::{self, Launch, Record};
+use amber_node::{daemon, session};
 
 #[derive(Parser)]
 #[command(name = "amber", version, about = "Run pinned environments in microVMs")]
@@ -54,8 +56,9 @@ enum Cmd {
     Ps,
     /// Boot exactly what a receipt pinned and run its command again.
     Reproduce { receipt: PathBuf },
+    /// The node daemon `amber create` starts (one per node; it exits when idle).
     #[command(hide = true)]
-    SandboxDaemon { dir: PathBuf },
+    NodeDaemon,
 }
 
 /// How the VM is shaped and how its command runs (shared by `run` and `create`).
@@ -82,6 +85,22 @@ struct VmArgs {
     /// Also expose the read-only root device as /dev/vda in the sandbox.
     #[arg(long)]
     root_device: bool,
+}
+
+impl VmArgs {
+    fn options(&self) -> VmOptions {
+        VmOptions {
+            reference: self.reference.clone(),
+            env: self.env.clone(),
+            workdir: self.workdir.clone(),
+            user: self.user.clone(),
+            hostname: self.hostname.clone(),
+            cpus: self.cpus,
+            memory_mib: self.memory,
+            accel: self.accel.clone(),
+            root_device: self.root_device,
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -189,155 +208,31 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Cmd::Reproduce { receipt } => reproduce(&node, &receipt).await,
-        Cmd::SandboxDaemon { dir } => {
-            sandbox::daemon(&node, &dir).await?;
-            Ok(0)
-        }
-    }
-}
-
-/// The request for `argv` under the image's config and the user's flags, as docker does.
-fn request(
-    c: &RunConfig,
-    argv: Vec<String>,
-    extra_env: &[String],
-    workdir: Option<&str>,
-    user: Option<&str>,
-    hostname: &str,
-    stdin: bool,
-) -> Request {
-    let mut env = c.env.clone();
-    if !env.iter().any(|e| e.starts_with("PATH=")) {
-        env.insert(
-            0,
-            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
-        );
-    }
-    if !env.iter().any(|e| e.starts_with("HOSTNAME=")) {
-        env.push(format!("HOSTNAME={hostname}"));
-    }
-    for e in extra_env {
-        let key = e.split('=').next().unwrap_or("");
-        env.retain(|x| x.split('=').next() != Some(key));
-        env.push(e.clone());
-    }
-    Request {
-        argv,
-        env,
-        cwd: workdir.map(str::to_string).unwrap_or_else(|| {
-            if c.working_dir.is_empty() {
-                "/".into()
-            } else {
-                c.working_dir.clone()
+        Cmd::NodeDaemon => {
+            let served = daemon::serve(&node, &cli.registry, || {
+                use std::io::Write;
+                let mut out = std::io::stdout();
+                let _ = out.write_all(b"ready\n").and_then(|()| out.flush());
+            })
+            .await;
+            match served {
+                Err(daemon::DaemonError::AlreadyRunning(_)) => {
+                    println!("running");
+                    Ok(0)
+                }
+                r => r.map(|()| 0).map_err(Into::into),
             }
-        }),
-        user: user.map(str::to_string).unwrap_or_else(|| c.user.clone()),
-        stdin,
-    }
-}
-
-/// Resolves the reference and the node's boot files into a launch.
-async fn launch(
-    registry: &str,
-    node: &Path,
-    a: &VmArgs,
-) -> anyhow::Result<(image::Resolved, NodeState, Launch)> {
-    let state = kernel::read_node(node)?;
-    let http = amber_snapshotter::source::registry_client(Duration::from_secs(300));
-    let resolved = image::resolve(&http, registry, &a.reference, Duration::from_secs(600)).await?;
-    let hostname = a
-        .hostname
-        .clone()
-        .unwrap_or_else(|| resolved.env.hex()[..12].to_string());
-    let accel = if a.accel == "auto" {
-        state.accel.clone()
-    } else {
-        a.accel.clone()
-    };
-    let l = Launch {
-        registry: registry.to_string(),
-        env: resolved.env,
-        kernel: kernel::boot_file(node, registry, &state.kernel, "kernel").await?,
-        initramfs: kernel::boot_file(node, registry, &state.initramfs, "initramfs").await?,
-        shape: receipt::Vm {
-            accel,
-            cpus: a.cpus,
-            memory_mib: a.memory,
-        },
-        boot: Boot {
-            hostname,
-            root_device: a.root_device,
-        },
-        prefetch: false,
-        root_image: None,
-    };
-    Ok((resolved, state, l))
-}
-
-fn work_dir(node: &Path) -> anyhow::Result<PathBuf> {
-    Ok(node.join("run").join(new_id()?))
-}
-
-fn new_id() -> anyhow::Result<String> {
-    let mut b = [0u8; 6];
-    std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom")?, &mut b)?;
-    Ok(hex::encode(b))
-}
-
-/// Boots `l`, runs `req` in it, and stops it; output passes through unchanged.
-async fn boot_and_exec(
-    node: &Path,
-    l: &Launch,
-    req: &Request,
-    timeout: Option<Duration>,
-) -> anyhow::Result<Outcome> {
-    let sandbox = Sandbox::start(node, work_dir(node)?, l).await?;
-    let s = sandbox.vm.mux.open();
-    let stdin: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = if req.stdin {
-        Some(Box::new(tokio::io::stdin()))
-    } else {
-        None
-    };
-    let exec = session::exec(s, req, stdin, tokio::io::stdout(), tokio::io::stderr());
-    let result = match timeout {
-        Some(t) => tokio::time::timeout(t, exec)
-            .await
-            .unwrap_or_else(|_| Err(anyhow::anyhow!("timed out after {}s", t.as_secs()))),
-        None => exec.await,
-    };
-    let integrity = sandbox.integrity_error();
-    let console = sandbox.vm.console_tail();
-    sandbox.stop().await;
-    if let Some(e) = integrity {
-        anyhow::bail!("{e}");
-    }
-    result.map_err(|e| {
-        if e.is::<session::Stopped>() {
-            e.context(format!("console:\n{console}"))
-        } else {
-            e
         }
-    })
+    }
 }
 
 async fn run_cmd(registry: &str, node: &Path, a: RunArgs) -> anyhow::Result<i32> {
-    let (resolved, state, mut l) = launch(registry, node, &a.vm).await?;
+    let (resolved, state, mut l) = launch(registry, node, &a.vm.options()).await?;
     l.prefetch = a.prefetch;
     l.root_image = a.root_image.clone();
     let c = &resolved.config;
-    let argv: Vec<String> = if a.command.is_empty() {
-        c.entrypoint.iter().chain(c.cmd.iter()).cloned().collect()
-    } else {
-        c.entrypoint
-            .iter()
-            .chain(a.command.iter())
-            .cloned()
-            .collect()
-    };
-    anyhow::ensure!(
-        !argv.is_empty(),
-        "no command given and the image has no Entrypoint or Cmd"
-    );
+    let argv = run_argv(c, &a.command)
+        .context("no command given and the image has no Entrypoint or Cmd")?;
     let req = request(
         c,
         argv,
@@ -415,8 +310,7 @@ async fn reproduce(node: &Path, path: &Path) -> anyhow::Result<i32> {
 }
 
 async fn create(registry: &str, node: &Path, a: CreateArgs) -> anyhow::Result<i32> {
-    use std::os::unix::process::CommandExt;
-    let (resolved, _, l) = launch(registry, node, &a.vm).await?;
+    let (resolved, _, l) = launch(registry, node, &a.vm.options()).await?;
     let id = new_id()?;
     let dir = sandbox::sandbox_dir(node, &id)?;
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -442,35 +336,21 @@ async fn create(registry: &str, node: &Path, a: CreateArgs) -> anyhow::Result<i3
         dir.join("sandbox.json"),
         serde_json::to_vec_pretty(&record)?,
     )?;
-    let log = std::fs::File::create(dir.join("daemon.log"))?;
-    // The daemon outlives this command: its own session, stdin closed, output logged.
-    let mut child = std::process::Command::new(std::env::current_exe()?)
-        .arg("--registry")
-        .arg(registry)
-        .arg("sandbox-daemon")
-        .arg(&dir)
-        .env("AMBER_HOME", node)
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(log)
-        .process_group(0)
-        .spawn()
-        .context("starting the sandbox daemon")?;
-    let mut line = String::new();
-    let stdout = child.stdout.take().expect("piped");
-    tokio::task::spawn_blocking(move || {
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).map(|_| line)
+    let exe = std::env::current_exe()?;
+    let registry = registry.to_string();
+    let started = daemon::create(node, &record, || {
+        let mut c = std::process::Command::new(&exe);
+        c.arg("--registry")
+            .arg(&registry)
+            .arg("node-daemon")
+            .env("AMBER_HOME", node);
+        c
     })
-    .await??
-    .trim()
-    .eq("ready")
-    .then_some(())
-    .ok_or_else(|| {
-        let _ = child.wait();
-        let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap_or_default();
+    .await;
+    if let Err(e) = started {
         let _ = std::fs::remove_dir_all(&dir);
-        anyhow::anyhow!("the sandbox did not start: {}", log.trim())
-    })?;
+        return Err(e.into());
+    }
     println!("{id}");
     Ok(0)
 }

@@ -1,13 +1,13 @@
-//! A sandbox: one microVM booted on an env's lazy, verified NBD export (node cache shared
-//! with every other sandbox on the node). `amber run` starts one in-process for a single
-//! command; `amber create` starts one in a detached daemon that keeps it alive and serves
-//! `amber exec`, `amber cp` and `amber rm` on a Unix socket, relaying the guest protocol's
+//! A sandbox: one microVM booted on its env's shared, lazy, verified NBD export
+//! (`exports`). `amber run` starts one in-process for a single command; `amber create`
+//! asks the node daemon (`daemon`), which keeps it alive and serves `amber exec`,
+//! `amber cp` and `amber rm` on the sandbox's Unix socket, relaying the guest protocol's
 //! sessions between those clients and the VM.
 //!
 //! On disk, per sandbox: `<node>/sandboxes/<id>/` holding `sandbox.json` (what it runs),
-//! `api.sock`, `daemon.log`, and the VM's sockets and console. The directory exists
-//! exactly as long as the daemon does (it removes it on the way out; `amber rm` removes
-//! it when the daemon has died).
+//! `api.sock`, and the VM's sockets and console. The directory exists exactly as long as
+//! the sandbox does (the daemon removes it on the way out; `amber rm` removes it when
+//! the daemon has died).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,19 +16,15 @@ use std::time::Duration;
 
 use amber_converter::manifest::EnvDigest;
 use amber_guest::{Boot, ERROR, EXEC, EXIT, GET, PUT, SHUTDOWN};
-use amber_snapshotter::cache::ChunkCache;
+use amber_snapshotter::cache::CacheError;
 use amber_snapshotter::device::LazyDevice;
-use amber_snapshotter::source::{RegistrySource, SourceError};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
-use std::sync::atomic::Ordering::Relaxed;
 
+use crate::exports::{Export, ExportError, Exports};
 use crate::mux::{Mux, SessionTx};
 use crate::receipt;
 use crate::vm::{Root, Vm, VmSpec};
-
-/// The node cache's size bound.
-pub const NODE_CACHE_BYTES: u64 = 20 << 30;
 
 /// Everything needed to boot a sandbox.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -47,54 +43,68 @@ pub struct Launch {
     pub root_image: Option<PathBuf>,
 }
 
-/// A running sandbox: its VM, the NBD export feeding it, and its work directory.
+/// Why a sandbox did not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("creating {path}: {source}")]
+    WorkDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Export(#[from] ExportError),
+    #[error("prefetching: {0}")]
+    Prefetch(Arc<CacheError>),
+    /// A chunk of the env failed verification while the guest booted.
+    #[error("{0}")]
+    Integrity(Arc<CacheError>),
+    #[error("the VM failed to start: {0:#}")]
+    Vm(anyhow::Error),
+}
+
+/// A running sandbox: its VM, the env export feeding it, and its work directory.
 pub struct Sandbox {
     pub vm: Vm,
-    pub cache: Arc<ChunkCache>,
-    nbd: tokio::task::JoinHandle<std::io::Result<()>>,
+    export: Arc<Export>,
     work: PathBuf,
 }
 
 impl Sandbox {
-    /// Boots `l` with its sockets and console under `work` (created, removed by `stop`).
-    pub async fn start(node: &Path, work: PathBuf, l: &Launch) -> anyhow::Result<Sandbox> {
-        std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
-        let source = Arc::new(RegistrySource::new(&l.registry));
-        let envelope = match source.manifest(&l.env).await {
-            Err(SourceError::NotFound(_)) => {
-                anyhow::bail!("env {} is not in the registry at {}", l.env, l.registry)
-            }
-            r => r?,
-        };
-        let cache = Arc::new(ChunkCache::open(
-            node.join("chunks"),
-            NODE_CACHE_BYTES,
+    /// Boots `l` with its sockets and console under `work` (created, removed by `stop`),
+    /// its root on the env's shared export.
+    pub async fn start(
+        exports: &Exports,
+        work: PathBuf,
+        l: &Launch,
+    ) -> Result<Sandbox, StartError> {
+        std::fs::create_dir_all(&work).map_err(|source| StartError::WorkDir {
+            path: work.clone(),
             source,
-        )?);
+        })?;
+        let export = match exports.export(&l.env).await {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&work);
+                return Err(e.into());
+            }
+        };
         if l.prefetch {
             use futures_util::StreamExt;
-            let reads = envelope
-                .manifest
-                .extents
-                .iter()
-                .map(|e| cache.read(&e.chunk, e.length, 0, 1));
+            let cache = exports.cache().clone();
+            let extents = export.device.manifest().extents.clone();
+            let reads = extents.into_iter().map(move |e| {
+                let cache = cache.clone();
+                async move { cache.read(&e.chunk, e.length, 0, 1).await }
+            });
             let results: Vec<_> = futures_util::stream::iter(reads)
                 .buffer_unordered(8)
                 .collect()
                 .await;
             for r in results {
-                r.map_err(|e| anyhow::anyhow!("prefetching: {e}"))?;
+                r.map_err(StartError::Prefetch)?;
             }
         }
-        let device = Arc::new(LazyDevice::new(envelope.manifest, cache.clone()));
-        let nbd_socket = work.join("root.sock");
-        let listener = tokio::net::UnixListener::bind(&nbd_socket)
-            .with_context(|| format!("binding {}", nbd_socket.display()))?;
-        let nbd = tokio::spawn(amber_snapshotter::nbd::serve(
-            listener,
-            "amber".into(),
-            device,
-        ));
         let spec = VmSpec {
             qemu: PathBuf::from("qemu-system-x86_64"),
             accel: l.shape.accel.clone(),
@@ -104,61 +114,41 @@ impl Sandbox {
             initramfs: l.initramfs.clone(),
             root: match &l.root_image {
                 Some(p) => Root::RawFile(p.clone()),
-                None => Root::Nbd(nbd_socket),
+                None => Root::Nbd(export.socket.clone()),
             },
             work: work.clone(),
         };
         let vm = match Vm::boot(&spec, &l.boot).await {
             Ok(vm) => vm,
             Err(e) => {
-                nbd.abort();
                 let _ = std::fs::remove_dir_all(&work);
-                return Err(match integrity_error(&cache) {
-                    Some(i) => anyhow::anyhow!("{i}"),
-                    None => e,
+                return Err(match export.device.integrity_failure() {
+                    Some(i) => StartError::Integrity(i),
+                    None => StartError::Vm(e),
                 });
             }
         };
-        Ok(Sandbox {
-            vm,
-            cache,
-            nbd,
-            work,
-        })
+        Ok(Sandbox { vm, export, work })
     }
 
-    /// The latest chunk that failed verification, if any did: the guest got an I/O
-    /// error instead of its bytes.
-    pub fn integrity_error(&self) -> Option<String> {
-        integrity_error(&self.cache)
+    /// The first chunk of this sandbox's env that failed verification, if any did: the
+    /// guest got an I/O error instead of its bytes.
+    pub fn integrity_failure(&self) -> Option<Arc<CacheError>> {
+        self.export.device.integrity_failure()
     }
 
     /// Stops the VM at once and removes the work directory.
     pub async fn stop(mut self) {
         self.vm.kill().await;
-        self.nbd.abort();
         let _ = std::fs::remove_dir_all(&self.work);
     }
 
     /// Lets the guest sync and power off, then cleans up.
     pub async fn shutdown(self) {
-        let Sandbox { vm, nbd, work, .. } = self;
+        let Sandbox { vm, work, .. } = self;
         vm.shutdown(Duration::from_secs(10)).await;
-        nbd.abort();
         let _ = std::fs::remove_dir_all(&work);
     }
-}
-
-fn integrity_error(cache: &ChunkCache) -> Option<String> {
-    if cache.stats.integrity_failures.load(Relaxed) == 0 {
-        return None;
-    }
-    cache
-        .stats
-        .last_integrity_error
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone()
 }
 
 /// What `amber exec` needs to run a command as the image says (`docker exec` semantics).
@@ -201,46 +191,64 @@ pub async fn connect(node: &Path, id: &str) -> anyhow::Result<Mux> {
     Ok(Mux::new(s).0)
 }
 
-/// The daemon: boots the sandbox described in `dir/sandbox.json`, says `ready` on stdout,
-/// and serves the API socket until `amber rm`, SIGTERM, or the VM stopping.
-pub async fn daemon(node: &Path, dir: &Path) -> anyhow::Result<()> {
-    let text = std::fs::read(dir.join("sandbox.json"))?;
-    let record: Record = serde_json::from_slice(&text)?;
-    let result = serve(node, dir, &record).await;
-    let _ = std::fs::remove_dir_all(dir);
-    result
-}
-
-async fn serve(node: &Path, dir: &Path, record: &Record) -> anyhow::Result<()> {
-    use tokio::io::AsyncWriteExt;
-    let sandbox = Sandbox::start(node, dir.join("vm"), &record.launch).await?;
-    let listener = tokio::net::UnixListener::bind(dir.join("api.sock"))?;
-    let mut stdout = tokio::io::stdout();
-    stdout.write_all(b"ready\n").await?;
-    stdout.flush().await?;
-    drop(stdout);
-    let (mux, cache) = (sandbox.vm.mux.clone(), sandbox.cache.clone());
+/// Boots the sandbox of `record` under `dir`, serves its API socket (`dir/api.sock`) and
+/// answers `ready` once it does; returns when `amber rm` asks or when `stop` fires.
+/// Removes `dir` on the way out.
+pub async fn serve(
+    exports: &Exports,
+    dir: &Path,
+    record: &Record,
+    ready: tokio::sync::oneshot::Sender<Result<(), String>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let sandbox = match Sandbox::start(exports, dir.join("vm"), &record.launch).await {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(dir);
+            let _ = ready.send(Err(e.to_string()));
+            return;
+        }
+    };
+    let listener = match tokio::net::UnixListener::bind(dir.join("api.sock")) {
+        Ok(l) => l,
+        Err(e) => {
+            sandbox.stop().await;
+            let _ = std::fs::remove_dir_all(dir);
+            let _ = ready.send(Err(format!(
+                "binding {}: {e}",
+                dir.join("api.sock").display()
+            )));
+            return;
+        }
+    };
+    let _ = ready.send(Ok(()));
+    let mux = sandbox.vm.mux.clone();
+    let device = sandbox.export.device.clone();
     let shutdown = Arc::new(tokio::sync::Notify::new());
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     loop {
         tokio::select! {
-            conn = listener.accept() => {
-                let (conn, _) = conn?;
-                tokio::spawn(relay(conn, mux.clone(), cache.clone(), shutdown.clone()));
-            }
+            conn = listener.accept() => match conn {
+                Ok((conn, _)) => {
+                    tokio::spawn(relay(conn, mux.clone(), device.clone(), shutdown.clone()));
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, id = %record.id, "accepting on the sandbox socket");
+                    break;
+                }
+            },
             _ = shutdown.notified() => break,
-            _ = term.recv() => break,
+            _ = stop.changed() => break,
         }
     }
     sandbox.shutdown().await;
-    Ok(())
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// Relays one client's sessions to fresh VM sessions and back.
 async fn relay(
     conn: tokio::net::UnixStream,
     vm: Mux,
-    cache: Arc<ChunkCache>,
+    device: Arc<LazyDevice>,
     shutdown: Arc<tokio::sync::Notify>,
 ) {
     let (client, mut incoming) = Mux::new(conn);
@@ -255,12 +263,12 @@ async fn relay(
         if matches!(f.kind, EXEC | PUT | GET) && !open.contains_key(&f.session) {
             let mut s = vm.open();
             open.insert(f.session, s.tx.clone());
-            let (client, cache, id) = (client.clone(), cache.clone(), f.session);
+            let (client, device, id) = (client.clone(), device.clone(), f.session);
             tokio::spawn(async move {
                 while let Some(g) = s.recv().await {
                     if g.kind == EXIT {
-                        if let Some(e) = integrity_error(&cache) {
-                            let _ = client.send(ERROR, id, e.as_bytes()).await;
+                        if let Some(e) = device.integrity_failure() {
+                            let _ = client.send(ERROR, id, e.to_string().as_bytes()).await;
                         }
                     }
                     if client.send(g.kind, id, &g.payload).await.is_err() || g.kind == EXIT {

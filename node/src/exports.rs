@@ -1,0 +1,133 @@
+//! The node's storage as its sandboxes see it: one chunk cache for the whole process
+//! (one fetch per chunk however many sandboxes read it, one size bound), and one lazy,
+//! verified NBD export per env, shared by every sandbox booted from that env.
+//!
+//! Invariants kept here:
+//! - an env has at most one live export in a process; it is served on
+//!   `<node>/exports/<env>.sock` while any sandbox holds it and removed with the last;
+//! - every export reads through the one cache, so the cache's bound is the process's.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+
+use amber_converter::manifest::EnvDigest;
+use amber_snapshotter::cache::{CacheError, ChunkCache};
+use amber_snapshotter::device::LazyDevice;
+use amber_snapshotter::source::{RegistrySource, SourceError};
+
+/// The node cache's size bound.
+pub const NODE_CACHE_BYTES: u64 = 20 << 30;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error("env {env} is not in the registry at {registry}")]
+    EnvNotFound { env: EnvDigest, registry: String },
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error(transparent)]
+    Cache(#[from] CacheError),
+    #[error("serving the export of {env} on {path}: {source}")]
+    Socket {
+        env: EnvDigest,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// One env's export: its device and the NBD server on its socket.
+pub struct Export {
+    pub env: EnvDigest,
+    pub socket: PathBuf,
+    pub device: Arc<LazyDevice>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Drop for Export {
+    fn drop(&mut self) {
+        self.task.abort();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// The process's cache and exports for one registry.
+pub struct Exports {
+    dir: PathBuf,
+    registry: String,
+    source: Arc<RegistrySource>,
+    cache: Arc<ChunkCache>,
+    live: tokio::sync::Mutex<HashMap<EnvDigest, Weak<Export>>>,
+}
+
+impl Exports {
+    /// Opens the node cache under `<node>/chunks` for chunks of `registry`.
+    pub async fn open(node: &Path, registry: &str) -> Result<Exports, ExportError> {
+        let source = Arc::new(RegistrySource::new(registry));
+        let (dir, src) = (node.join("chunks"), source.clone());
+        let cache =
+            tokio::task::spawn_blocking(move || ChunkCache::open(dir, NODE_CACHE_BYTES, src))
+                .await
+                .expect("cache open task")?;
+        Ok(Exports {
+            dir: node.join("exports"),
+            registry: registry.to_string(),
+            source,
+            cache: Arc::new(cache),
+            live: tokio::sync::Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn registry(&self) -> &str {
+        &self.registry
+    }
+
+    pub fn cache(&self) -> &Arc<ChunkCache> {
+        &self.cache
+    }
+
+    /// The export of `env`, started if no sandbox holds it yet.
+    pub async fn export(&self, env: &EnvDigest) -> Result<Arc<Export>, ExportError> {
+        let mut live = self.live.lock().await;
+        if let Some(e) = live.get(env).and_then(Weak::upgrade) {
+            return Ok(e);
+        }
+        live.retain(|_, w| w.strong_count() > 0);
+        let envelope = match self.source.manifest(env).await {
+            Err(SourceError::NotFound(_)) => {
+                return Err(ExportError::EnvNotFound {
+                    env: *env,
+                    registry: self.registry.clone(),
+                })
+            }
+            r => r?,
+        };
+        let device = Arc::new(LazyDevice::new(envelope.manifest, self.cache.clone()));
+        let socket = self
+            .dir
+            .join(format!("{}-{}.sock", &env.hex()[..24], std::process::id()));
+        let bind = || {
+            std::fs::create_dir_all(&self.dir)?;
+            let _ = std::fs::remove_file(&socket);
+            tokio::net::UnixListener::bind(&socket)
+        };
+        let listener = bind().map_err(|source| ExportError::Socket {
+            env: *env,
+            path: socket.clone(),
+            source,
+        })?;
+        let task = tokio::spawn(amber_snapshotter::nbd::serve(
+            listener,
+            "amber".into(),
+            device.clone(),
+        ));
+        let export = Arc::new(Export {
+            env: *env,
+            socket,
+            device,
+            task,
+        });
+        live.insert(*env, Arc::downgrade(&export));
+        Ok(export)
+    }
+}
