@@ -1,7 +1,7 @@
 //! Cutting the device into chunks for dedup, naming them by blake3, and handing them to
 //! a `ChunkSink`.
 //!
-//! Rules (shared/DESIGN.md, "Chunking for dedup"):
+//! Rules (docs/architecture.md, "Formats"):
 //! - metadata (superblock, inodes, directories) is chunked apart from file data, cut
 //!   every `MAX_CHUNK` bytes from its start;
 //! - a large file (at least `LARGE_FILE` bytes) starts its own chunk and is cut every

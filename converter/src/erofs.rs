@@ -1,5 +1,5 @@
 //! The EROFS writer: lays a `Tree` out as an uncompressed EROFS image with 4 KiB blocks,
-//! laid out for dedup (see shared/DESIGN.md).
+//! laid out for dedup (see docs/architecture.md).
 //!
 //! Device layout, all deterministic:
 //! - block 0: the superblock at byte 1024;
