@@ -2,7 +2,7 @@
 //! variables, then command-line flags, each overriding the one before.
 //!
 //! The file may nest (`[s3] endpoint = …`); every key also exists as a flat `AMBER_*`
-//! variable (`AMBER_S3_ENDPOINT`), as docs/architecture.md and the README list.
+//! variable (`AMBER_S3_ENDPOINT`), as the README's configuration table lists.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -167,6 +167,11 @@ impl Index {
     }
 
     /// Records a published blob and links it into `repo`.
+    /// Writes `b` with the WAL synced, off the async worker (`crate::blocking`).
+    fn write_synced(&self, b: WriteBatch) -> Result<(), rocksdb::Error> {
+        crate::blocking::run(|| self.db.write_opt(b, &synced()))
+    }
+
     pub fn put_blob(&self, repo: &RepoName, digest: &Digest, size: u64) -> Result<(), IndexError> {
         let mut b = WriteBatch::default();
         b.put_cf(self.cf("blobs"), digest.to_string(), size.to_le_bytes());
@@ -176,25 +181,29 @@ impl Index {
             b"",
         );
         b.put_cf(self.cf("repos"), repo.as_str(), b"{}");
-        self.db.write_opt(b, &synced())?;
+        self.write_synced(b)?;
         Ok(())
     }
 
     /// Records that `repo` exists.
     pub fn put_repo(&self, repo: &RepoName) -> Result<(), IndexError> {
-        self.db
-            .put_cf_opt(self.cf("repos"), repo.as_str(), b"{}", &synced())?;
+        crate::blocking::run(|| {
+            self.db
+                .put_cf_opt(self.cf("repos"), repo.as_str(), b"{}", &synced())
+        })?;
         Ok(())
     }
 
     /// Points `tag` of `repo` at `digest` (a cache of the store's tag record).
     pub fn put_tag(&self, repo: &RepoName, tag: &Tag, digest: &Digest) -> Result<(), IndexError> {
-        self.db.put_cf_opt(
-            self.cf("tags"),
-            key2(repo.as_str(), tag.as_str()),
-            digest.to_string().as_bytes(),
-            &synced(),
-        )?;
+        crate::blocking::run(|| {
+            self.db.put_cf_opt(
+                self.cf("tags"),
+                key2(repo.as_str(), tag.as_str()),
+                digest.to_string().as_bytes(),
+                &synced(),
+            )
+        })?;
         Ok(())
     }
 
@@ -258,7 +267,8 @@ impl Index {
                 serde_json::to_vec(desc).expect("json"),
             );
         }
-        let _guard = self.tag_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _guard =
+            crate::blocking::run(|| self.tag_lock.lock().unwrap_or_else(|p| p.into_inner()));
         if let Some(tag) = w.tag {
             let tk = key2(repo, tag.as_str());
             if w.tag_immutable {
@@ -274,7 +284,7 @@ impl Index {
             }
             b.put_cf(self.cf("tags"), tk, digest.as_bytes());
         }
-        self.db.write_opt(b, &synced())?;
+        self.write_synced(b)?;
         Ok(())
     }
 
@@ -381,12 +391,14 @@ impl Index {
     }
 
     pub fn put_conversion(&self, image: &Digest, c: &Conversion) -> Result<(), IndexError> {
-        self.db.put_cf_opt(
-            self.cf("conversions"),
-            image.to_string(),
-            serde_json::to_vec(c).expect("conversion serializes"),
-            &synced(),
-        )?;
+        crate::blocking::run(|| {
+            self.db.put_cf_opt(
+                self.cf("conversions"),
+                image.to_string(),
+                serde_json::to_vec(c).expect("conversion serializes"),
+                &synced(),
+            )
+        })?;
         Ok(())
     }
 
@@ -425,7 +437,8 @@ impl Index {
         env: &str,
         c: &Conversion,
     ) -> Result<String, IndexError> {
-        let _guard = self.tag_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _guard =
+            crate::blocking::run(|| self.tag_lock.lock().unwrap_or_else(|p| p.into_inner()));
         if let Some(existing) = self.image_env(image)? {
             return Ok(existing);
         }
@@ -436,7 +449,7 @@ impl Index {
             image.to_string(),
             serde_json::to_vec(c).expect("json"),
         );
-        self.db.write_opt(b, &synced())?;
+        self.write_synced(b)?;
         Ok(env.to_string())
     }
 
@@ -457,12 +470,14 @@ impl Index {
     }
 
     pub fn put_upload(&self, id: &str, s: &UploadSession) -> Result<(), IndexError> {
-        self.db.put_cf_opt(
-            self.cf("uploads"),
-            id,
-            serde_json::to_vec(s).expect("session serializes"),
-            &synced(),
-        )?;
+        crate::blocking::run(|| {
+            self.db.put_cf_opt(
+                self.cf("uploads"),
+                id,
+                serde_json::to_vec(s).expect("session serializes"),
+                &synced(),
+            )
+        })?;
         Ok(())
     }
 
@@ -471,7 +486,7 @@ impl Index {
     }
 
     pub fn delete_upload(&self, id: &str) -> Result<(), IndexError> {
-        self.db.delete_cf_opt(self.cf("uploads"), id, &synced())?;
+        crate::blocking::run(|| self.db.delete_cf_opt(self.cf("uploads"), id, &synced()))?;
         Ok(())
     }
 

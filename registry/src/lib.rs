@@ -12,12 +12,13 @@
 //!   `registry` (shared state, opening, upload recovery and expiry), `auth` (accounts,
 //!   tokens);
 //! - `store` (object store trait and backends), `index` (RocksDB metadata), `config`,
-//!   `metrics`, `clock`.
+//!   `metrics`, `clock`, `blocking` (short blocking calls from async code).
 //!
 //! Digests, names, references, media types and manifest parsing are `amber_oci`'s.
 
 pub mod api;
 pub mod auth;
+pub mod blocking;
 pub mod clock;
 pub mod config;
 pub mod convert;

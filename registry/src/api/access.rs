@@ -67,20 +67,12 @@ pub fn need_of_amber(path: &str) -> Need {
 }
 
 /// `Auth::authenticate` off the async workers' cooperative path: a Basic login not seen
-/// recently costs an argon2 verification (tens of milliseconds of CPU), which must not
-/// stall the other requests on this worker. `block_in_place` hands them to another
-/// worker while this one verifies.
+/// recently costs an argon2 verification (tens of milliseconds of CPU).
 fn authenticate(
     auth: &crate::auth::Auth,
     authorization: Option<&str>,
 ) -> Result<Principal, Refusal> {
-    let multi_thread = tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    if multi_thread {
-        tokio::task::block_in_place(|| auth.authenticate(authorization))
-    } else {
-        auth.authenticate(authorization)
-    }
+    crate::blocking::run(|| auth.authenticate(authorization))
 }
 
 /// Authenticates `req` and checks `need`. Ok(None) when authentication is off.
