@@ -796,14 +796,7 @@ async fn bad_requests_get_4xx_never_5xx() {
 async fn metrics_count_requests_bytes_and_uploads() {
     let s = Server::start(&[]);
     let d = push_blob(&s, "met/x", &[7u8; 1000]).await;
-    client()
-        .get(s.url(&format!("/v2/met/x/blobs/{d}")))
-        .send()
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap();
+    get_bytes(&s, &format!("/v2/met/x/blobs/{d}")).await;
     let text = metrics_text(&s).await;
     for want in [
         r#"amber_http_requests_total{route="upload_start",method="POST",status="201"} 1"#,

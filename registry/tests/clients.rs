@@ -322,14 +322,7 @@ async fn oras_artifact_with_a_subject_is_listed_as_a_referrer() {
         "{\"spdxVersion\":\"SPDX-2.3\"}"
     );
     let artifact = out.split_whitespace().nth(1).unwrap().to_string();
-    let v: serde_json::Value = client()
-        .get(s.url(&format!("/v2/test/art/referrers/{subject}")))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value = get_json(&s, &format!("/v2/test/art/referrers/{subject}")).await;
     let listed: Vec<&str> = v["manifests"]
         .as_array()
         .unwrap()

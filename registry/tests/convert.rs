@@ -73,16 +73,7 @@ async fn device_from_api(s: &Server, env: &str) -> (ManifestEnvelope, Vec<u8>) {
     );
     let mut dev = vec![0u8; envelope.manifest.device_size as usize];
     for e in &envelope.manifest.extents {
-        let z = client()
-            .get(s.url(&format!("/amber/v1/chunks/{}", e.chunk)))
-            .send()
-            .await
-            .unwrap()
-            .bytes()
-            .await
-            .unwrap();
-        let data = zstd::bulk::decompress(&z, e.length as usize).unwrap();
-        assert_eq!(ChunkId::of(&data), e.chunk);
+        let data = chunk(s, &e.chunk.to_string(), e.length).await;
         dev[e.offset as usize..(e.offset + e.length) as usize].copy_from_slice(&data);
     }
     (envelope, dev)
@@ -174,14 +165,7 @@ async fn the_block_manifest_is_a_referrer_of_the_image() {
     .await;
     let v = settled(&s, "conv/ref", "v1").await;
     let env = v["env_digest"].as_str().unwrap().to_string();
-    let r: Value = client()
-        .get(s.url(&format!("/v2/conv/ref/referrers/{image}?artifactType=application/vnd.amber.block-manifest.v1%2Bjson")))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r: Value = get_json(&s, &format!("/v2/conv/ref/referrers/{image}?artifactType=application/vnd.amber.block-manifest.v1%2Bjson")).await;
     let ms = r["manifests"].as_array().unwrap();
     assert_eq!(ms.len(), 1, "{r}");
     assert_eq!(ms[0]["annotations"]["dev.amber.env-digest"], env);
@@ -204,14 +188,7 @@ async fn the_block_manifest_is_a_referrer_of_the_image() {
         art["layers"][0]["mediaType"],
         "application/vnd.amber.block-manifest.v1+json+zstd"
     );
-    let stored = client()
-        .get(s.url(&format!("/v2/conv/ref/blobs/{blob}")))
-        .send()
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap();
+    let stored = get_bytes(&s, &format!("/v2/conv/ref/blobs/{blob}")).await;
     let envelope: ManifestEnvelope =
         serde_json::from_slice(&zstd::stream::decode_all(&stored[..]).unwrap()).unwrap();
     assert_eq!(envelope.env_digest.to_string(), env);
@@ -233,14 +210,7 @@ async fn queued_conversions_resume_after_a_restart_and_done_ones_never_rerun() {
         &layers().into_iter().map(|t| (t, TAR)).collect::<Vec<_>>(),
     )
     .await;
-    let v: Value = client()
-        .get(s.url("/amber/v1/resolve/conv/resume/v1"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = get_json(&s, "/amber/v1/resolve/conv/resume/v1").await;
     assert_eq!(v["state"], "queued");
     drop(s);
     let s = Server::start_in(tmp.path(), &["--convert-workers", "1"]);
@@ -249,14 +219,7 @@ async fn queued_conversions_resume_after_a_restart_and_done_ones_never_rerun() {
     let env = v["env_digest"].clone();
     drop(s);
     let s = Server::start_in(tmp.path(), &[]);
-    let v: Value = client()
-        .get(s.url("/amber/v1/resolve/conv/resume/v1"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = get_json(&s, "/amber/v1/resolve/conv/resume/v1").await;
     assert_eq!(
         (v["state"].clone(), v["env_digest"].clone()),
         (json!("done"), env)
@@ -391,14 +354,7 @@ async fn downloads_redirect_to_presigned_s3_urls() {
     let v = settled(&s, "conv/direct", "v1").await;
     assert_eq!(v["state"], "done", "{v}");
     let env = v["env_digest"].as_str().unwrap();
-    let envelope: ManifestEnvelope = client()
-        .get(s.url(&format!("/amber/v1/envs/{env}")))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let envelope: ManifestEnvelope = get_json(&s, &format!("/amber/v1/envs/{env}")).await;
     let e = &envelope.manifest.extents[0];
     let url = s.url(&format!("/amber/v1/chunks/{}", e.chunk));
     let r = client().get(&url).send().await.unwrap();

@@ -84,17 +84,10 @@ async fn sixteen_concurrent_pushes_of_one_blob_leave_one_intact_blob() {
     for status in futures_util::future::join_all(pushes).await {
         assert_eq!(status, 201);
     }
-    let body = client()
-        .get(s.url(&format!("/v2/conc/blob/blobs/{digest}")))
-        .send()
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap();
+    let body = get_bytes(&s, &format!("/v2/conc/blob/blobs/{digest}")).await;
     assert_eq!(sha256(&body), digest);
     let hex = digest.strip_prefix("sha256:").unwrap();
-    let stored: Vec<_> = walk(&s.data.join("store/blobs"))
+    let stored: Vec<_> = files_under(&s.data.join("store/blobs"))
         .into_iter()
         .filter(|p| p.ends_with(hex))
         .collect();
@@ -108,18 +101,6 @@ async fn sixteen_concurrent_pushes_of_one_blob_leave_one_intact_blob() {
     );
 }
 
-fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            out.extend(walk(&p));
-        } else {
-            out.push(p);
-        }
-    }
-    out
-}
 
 #[tokio::test]
 async fn a_1gib_blob_is_pushed_and_pulled_in_bounded_memory() {

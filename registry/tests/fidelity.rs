@@ -14,7 +14,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use amber_converter::manifest::{ChunkId, ManifestEnvelope};
+use amber_converter::manifest::ManifestEnvelope;
 use common::*;
 use sha2::Digest as _;
 
@@ -242,27 +242,11 @@ impl Drop for Mount {
 }
 
 async fn fetch_device(s: &Server, env: &str, out: &Path) {
-    let envelope: ManifestEnvelope = client()
-        .get(s.url(&format!("/amber/v1/envs/{env}")))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let envelope: ManifestEnvelope = get_json(&s, &format!("/amber/v1/envs/{env}")).await;
     let f = std::fs::File::create(out).unwrap();
     f.set_len(envelope.manifest.device_size).unwrap();
     for e in &envelope.manifest.extents {
-        let z = client()
-            .get(s.url(&format!("/amber/v1/chunks/{}", e.chunk)))
-            .send()
-            .await
-            .unwrap()
-            .bytes()
-            .await
-            .unwrap();
-        let data = zstd::bulk::decompress(&z, e.length as usize).unwrap();
-        assert_eq!(ChunkId::of(&data), e.chunk);
+        let data = chunk(s, &e.chunk.to_string(), e.length).await;
         std::os::unix::fs::FileExt::write_all_at(&f, &data, e.offset).unwrap();
     }
 }

@@ -186,14 +186,7 @@ async fn s3_going_away_mid_upload_is_a_clean_retryable_error_and_pushes_resume()
         .await
         .unwrap();
     assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
-    let got = client()
-        .get(reg.url(&format!("/v2/faults/app/blobs/{want}")))
-        .send()
-        .await
-        .unwrap()
-        .bytes()
-        .await
-        .unwrap();
+    let got = get_bytes(&reg, &format!("/v2/faults/app/blobs/{want}")).await;
     assert!(got == data, "the pushed blob reads back intact");
     let got = client()
         .get(reg.url(&format!("/v2/faults/app/blobs/{layer}")))

@@ -121,7 +121,7 @@ async fn a_chunk_that_fails_verification_is_an_error_and_never_cached() {
     let (id2, _) = src.add(&data(9, 5000));
     let err = cache.read(&id2, 4000, 0, 10).await.unwrap_err();
     assert!(matches!(*err, CacheError::Integrity { .. }), "{err}");
-    let files = walk(dir.path());
+    let files = amber_testkit::files_under(dir.path());
     assert!(files.is_empty(), "nothing unverified on disk: {files:?}");
 }
 
@@ -152,18 +152,6 @@ async fn cached_chunks_survive_a_restart_and_partial_writes_do_not() {
         1,
         "the second run fetched nothing"
     );
-    assert_eq!(walk(dir.path()).len(), 1, "the partial write was removed");
+    assert_eq!(amber_testkit::files_under(dir.path()).len(), 1, "the partial write was removed");
 }
 
-fn walk(d: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(d).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            out.extend(walk(&p));
-        } else {
-            out.push(p);
-        }
-    }
-    out
-}

@@ -388,3 +388,37 @@ pub async fn settled(s: &Registry, repo: &str, reference: &str) -> serde_json::V
     }
     panic!("conversion of {repo}:{reference} never settled");
 }
+
+/// GET `path` and decode its JSON answer (any status: the caller checks the body).
+pub async fn get_json<T: serde::de::DeserializeOwned>(s: &Registry, path: &str) -> T {
+    client()
+        .get(s.url(path))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+        .json()
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: the answer is not the JSON expected: {e}"))
+}
+
+/// GET `path`; its body (any status).
+pub async fn get_bytes(s: &Registry, path: &str) -> Vec<u8> {
+    client()
+        .get(s.url(path))
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+        .bytes()
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: reading the body: {e}"))
+        .to_vec()
+}
+
+/// A chunk from the amber API, decompressed and checked against its id and length.
+pub async fn chunk(s: &Registry, id: &str, len: u64) -> Vec<u8> {
+    let z = get_bytes(s, &format!("/amber/v1/chunks/{id}")).await;
+    let data = zstd::bulk::decompress(&z, len as usize).expect("a chunk is one zstd frame");
+    assert_eq!(format!("blake3:{}", blake3::hash(&data).to_hex()), id);
+    assert_eq!(data.len() as u64, len);
+    data
+}
