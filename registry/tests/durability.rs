@@ -101,7 +101,6 @@ async fn sixteen_concurrent_pushes_of_one_blob_leave_one_intact_blob() {
     );
 }
 
-
 #[tokio::test]
 async fn a_1gib_blob_is_pushed_and_pulled_in_bounded_memory() {
     let s = Server::start(&[]);

@@ -242,7 +242,7 @@ impl Drop for Mount {
 }
 
 async fn fetch_device(s: &Server, env: &str, out: &Path) {
-    let envelope: ManifestEnvelope = get_json(&s, &format!("/amber/v1/envs/{env}")).await;
+    let envelope: ManifestEnvelope = get_json(s, &format!("/amber/v1/envs/{env}")).await;
     let f = std::fs::File::create(out).unwrap();
     f.set_len(envelope.manifest.device_size).unwrap();
     for e in &envelope.manifest.extents {

@@ -152,6 +152,9 @@ async fn cached_chunks_survive_a_restart_and_partial_writes_do_not() {
         1,
         "the second run fetched nothing"
     );
-    assert_eq!(amber_testkit::files_under(dir.path()).len(), 1, "the partial write was removed");
+    assert_eq!(
+        amber_testkit::files_under(dir.path()).len(),
+        1,
+        "the partial write was removed"
+    );
 }
-

@@ -1,0 +1,202 @@
+//! The sandbox's root: loading the kernel modules the initramfs carries, finding the
+//! env's device, mounting its EROFS read-only under an overlay with a tmpfs upper, the
+//! hostname, and moving the agent into the new root (`boot`).
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use amber_guest::{Boot, PORT_NAME};
+
+use crate::sys::{cstr, errno};
+
+pub(crate) const NEWROOT: &str = "/newroot";
+
+pub(crate) fn mount(
+    src: &str,
+    target: &str,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> Result<(), String> {
+    let _ = std::fs::create_dir_all(target);
+    let (s, t, f, d) = (cstr(src), cstr(target), cstr(fstype), cstr(data));
+    // SAFETY: all pointers are valid NUL-terminated strings for the call's duration.
+    let r = unsafe { libc::mount(s.as_ptr(), t.as_ptr(), f.as_ptr(), flags, d.as_ptr().cast()) };
+    if r != 0 {
+        return Err(format!("mount {fstype} {src} on {target}: {}", errno()));
+    }
+    Ok(())
+}
+
+pub(crate) fn load_modules() {
+    let Ok(rd) = std::fs::read_dir("/lib/modules") else {
+        return;
+    };
+    let mut mods: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    mods.sort();
+    for m in mods {
+        let Ok(f) = File::open(&m) else { continue };
+        let params = cstr("");
+        // SAFETY: finit_module reads the open module file and the empty parameter string.
+        let r = unsafe { libc::syscall(libc::SYS_finit_module, f.as_raw_fd(), params.as_ptr(), 0) };
+        if r != 0 {
+            let e = errno();
+            if e.raw_os_error() != Some(libc::EEXIST) {
+                eprintln!("amber-guest: loading {}: {e}", m.display());
+            }
+        }
+    }
+}
+
+/// Waits (bounded) for the root disk and the control port to appear.
+pub(crate) fn wait_for_devices() -> Result<PathBuf, String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let port = std::fs::read_dir("/sys/class/virtio-ports")
+            .ok()
+            .and_then(|rd| {
+                rd.filter_map(Result::ok).find_map(|e| {
+                    let name = std::fs::read_to_string(e.path().join("name")).ok()?;
+                    (name.trim() == PORT_NAME).then(|| Path::new("/dev").join(e.file_name()))
+                })
+            });
+        if let Some(p) = port.filter(|p| p.exists() && Path::new("/dev/vda").exists()) {
+            return Ok(p);
+        }
+        if Instant::now() > deadline {
+            return Err("the root disk /dev/vda or the control port did not appear".into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+pub(crate) fn mount_root() -> Result<(), String> {
+    mount("/dev/vda", "/lower", "erofs", libc::MS_RDONLY, "")?;
+    mount("tmpfs", "/rw", "tmpfs", 0, "mode=0755")?;
+    std::fs::create_dir_all("/rw/upper").map_err(|e| e.to_string())?;
+    std::fs::create_dir_all("/rw/work").map_err(|e| e.to_string())?;
+    // The merged root takes its owner and mode from the upper directory: copy the env's.
+    {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata("/lower").map_err(|e| format!("stat of the env root: {e}"))?;
+        let upper = cstr("/rw/upper");
+        // SAFETY: valid path; plain chown/chmod.
+        unsafe {
+            libc::chown(upper.as_ptr(), m.uid(), m.gid());
+            libc::chmod(upper.as_ptr(), m.mode() & 0o7777);
+        }
+    }
+    mount(
+        "overlay",
+        NEWROOT,
+        "overlay",
+        0,
+        "lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work",
+    )?;
+    mount(
+        "proc",
+        &format!("{NEWROOT}/proc"),
+        "proc",
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        "",
+    )?;
+    mount(
+        "sysfs",
+        &format!("{NEWROOT}/sys"),
+        "sysfs",
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC | libc::MS_RDONLY,
+        "",
+    )?;
+    mount(
+        "tmpfs",
+        &format!("{NEWROOT}/dev"),
+        "tmpfs",
+        libc::MS_NOSUID,
+        "mode=755,size=65536k",
+    )?;
+    for (name, major, minor) in [
+        ("null", 1, 3),
+        ("zero", 1, 5),
+        ("full", 1, 7),
+        ("random", 1, 8),
+        ("urandom", 1, 9),
+        ("tty", 5, 0),
+    ] {
+        let p = cstr(format!("{NEWROOT}/dev/{name}"));
+        // SAFETY: creating a device node at a valid path.
+        unsafe {
+            libc::mknod(
+                p.as_ptr(),
+                libc::S_IFCHR | 0o666,
+                libc::makedev(major, minor),
+            )
+        };
+    }
+    mount(
+        "devpts",
+        &format!("{NEWROOT}/dev/pts"),
+        "devpts",
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        "newinstance,ptmxmode=0666,mode=0620",
+    )?;
+    mount(
+        "shm",
+        &format!("{NEWROOT}/dev/shm"),
+        "tmpfs",
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        "mode=1777,size=65536k",
+    )?;
+    for (link, target) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ] {
+        let _ = std::os::unix::fs::symlink(target, format!("{NEWROOT}/dev/{link}"));
+    }
+    Ok(())
+}
+
+/// Mounts the root, sets the hostname, and moves this process into the root, so commands
+/// and copies see exactly the sandbox's file system.
+pub(crate) fn boot(b: &Boot) -> Result<(), String> {
+    mount_root()?;
+    let h = cstr(&b.hostname);
+    // SAFETY: valid buffer and length.
+    if unsafe { libc::sethostname(h.as_ptr(), b.hostname.len()) } != 0 {
+        return Err(format!("sethostname {:?}: {}", b.hostname, errno()));
+    }
+    if b.root_device {
+        let dev = std::fs::read_to_string("/sys/block/vda/dev")
+            .map_err(|e| format!("reading /sys/block/vda/dev: {e}"))?;
+        let (major, minor) = dev
+            .trim()
+            .split_once(':')
+            .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+            .ok_or_else(|| format!("bad /sys/block/vda/dev {dev:?}"))?;
+        let p = cstr(format!("{NEWROOT}/dev/vda"));
+        // SAFETY: creating a block device node at a valid path.
+        if unsafe {
+            libc::mknod(
+                p.as_ptr(),
+                libc::S_IFBLK | 0o400,
+                libc::makedev(major, minor),
+            )
+        } != 0
+        {
+            return Err(format!("mknod /dev/vda: {}", errno()));
+        }
+    }
+    let root = cstr(NEWROOT);
+    // SAFETY: plain chdir/chroot with valid paths.
+    unsafe {
+        if libc::chdir(root.as_ptr()) != 0 || libc::chroot(c".".as_ptr()) != 0 {
+            return Err(format!("entering the root: {}", errno()));
+        }
+        libc::chdir(c"/".as_ptr());
+    }
+    Ok(())
+}
