@@ -21,6 +21,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
+use amber_snapshotter::source::RegistryClient;
+
 use crate::exports::{ExportError, Exports};
 use crate::sandbox::{self, Record};
 
@@ -75,7 +77,11 @@ pub fn socket_path(node: &Path) -> PathBuf {
 
 /// Serves the node until it is idle for `LINGER` or a signal arrives. Calls `ready`
 /// once the socket accepts requests.
-pub async fn serve(node: &Path, registry: &str, ready: impl FnOnce()) -> Result<(), DaemonError> {
+pub async fn serve(
+    node: &Path,
+    registry: &RegistryClient,
+    ready: impl FnOnce(),
+) -> Result<(), DaemonError> {
     std::fs::create_dir_all(node).map_err(io(node))?;
     let lock_path = node.join("node.lock");
     let lock = std::fs::File::create(&lock_path).map_err(io(&lock_path))?;

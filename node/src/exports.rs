@@ -14,7 +14,7 @@ use std::sync::{Arc, Weak};
 use amber_converter::manifest::EnvDigest;
 use amber_snapshotter::cache::{CacheError, ChunkCache};
 use amber_snapshotter::device::LazyDevice;
-use amber_snapshotter::source::{RegistrySource, SourceError};
+use amber_snapshotter::source::{RegistryClient, RegistrySource, SourceError};
 
 /// The node cache's size bound.
 pub const NODE_CACHE_BYTES: u64 = 20 << 30;
@@ -62,7 +62,7 @@ pub struct Exports {
 
 impl Exports {
     /// Opens the node cache under `<node>/chunks` for chunks of `registry`.
-    pub async fn open(node: &Path, registry: &str) -> Result<Exports, ExportError> {
+    pub async fn open(node: &Path, registry: &RegistryClient) -> Result<Exports, ExportError> {
         let source = Arc::new(RegistrySource::new(registry));
         let (dir, src) = (node.join("chunks"), source.clone());
         let cache =
@@ -71,7 +71,7 @@ impl Exports {
                 .expect("cache open task")?;
         Ok(Exports {
             dir: node.join("exports"),
-            registry: registry.to_string(),
+            registry: registry.base().to_string(),
             source,
             cache: Arc::new(cache),
             live: tokio::sync::Mutex::new(HashMap::new()),

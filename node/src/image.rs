@@ -16,6 +16,7 @@ use amber_oci::digest::Digest;
 use amber_oci::manifest::{parse_manifest, ManifestKind};
 use amber_oci::media::ACCEPT_IMAGE_MANIFEST;
 use amber_oci::reference::{ImageRef, RefError};
+use amber_snapshotter::source::RegistryClient;
 
 pub use amber_oci::config::RunConfig;
 
@@ -71,12 +72,13 @@ pub struct Resolved {
     pub config: RunConfig,
 }
 
-async fn get(http: &reqwest::Client, url: &str, accept: &str) -> Result<Vec<u8>, ImageError> {
+async fn get(registry: &RegistryClient, url: &str, accept: &str) -> Result<Vec<u8>, ImageError> {
     let unreachable = |source| ImageError::Unreachable {
         url: url.to_string(),
         source,
     };
-    let r = http
+    let r = registry
+        .http
         .get(url)
         .header("Accept", accept)
         .send()
@@ -89,7 +91,7 @@ async fn get(http: &reqwest::Client, url: &str, accept: &str) -> Result<Vec<u8>,
             url: url.to_string(),
             status: status.as_u16(),
             body,
-            hint: amber_snapshotter::source::access_hint(status),
+            hint: registry.access_hint(status),
         });
     }
     Ok(r.bytes().await.map_err(unreachable)?.to_vec())
@@ -117,8 +119,7 @@ fn url_host(url: &str) -> &str {
 /// Resolves `reference`; waits up to `wait` for the registry to finish converting the
 /// image. Verifies the image manifest and config against their digests.
 pub async fn resolve(
-    http: &reqwest::Client,
-    registry: &str,
+    registry: &RegistryClient,
     reference: &str,
     wait: Duration,
 ) -> Result<Resolved, ImageError> {
@@ -134,19 +135,19 @@ pub async fn resolve(
         ImageRef::Image(n) => n,
     };
     if let Some(host) = &name.registry {
-        if host != url_host(registry) {
+        if host != url_host(registry.base()) {
             return Err(ImageError::OtherRegistry {
                 reference: reference.into(),
                 named: host.clone(),
-                configured: registry.into(),
+                configured: registry.base().into(),
             });
         }
     }
     let repo = &name.repository;
     let deadline = std::time::Instant::now() + wait;
-    let url = format!("{registry}{}", resolve_path(repo, &name.reference()));
+    let url = registry.url(&resolve_path(repo, &name.reference()));
     let resolved: Resolve = loop {
-        let bytes = get(http, &url, "application/json").await?;
+        let bytes = get(registry, &url, "application/json").await?;
         let v: Resolve = serde_json::from_slice(&bytes).map_err(|e| ImageError::Invalid {
             object: "resolve answer for".into(),
             digest: reference.into(),
@@ -185,8 +186,8 @@ pub async fn resolve(
     }
     let manifest = verified(
         get(
-            http,
-            &format!("{registry}/v2/{repo}/manifests/{image}"),
+            registry,
+            &registry.url(&format!("/v2/{repo}/manifests/{image}")),
             ACCEPT_IMAGE_MANIFEST,
         )
         .await?,
@@ -210,8 +211,8 @@ pub async fn resolve(
     let config_desc = parsed.config().expect("an image manifest has a config");
     let config_bytes = verified(
         get(
-            http,
-            &format!("{registry}/v2/{repo}/blobs/{}", config_desc.digest),
+            registry,
+            &registry.url(&format!("/v2/{repo}/blobs/{}", config_desc.digest)),
             "*/*",
         )
         .await?,

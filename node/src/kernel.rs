@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use amber_snapshotter::source::RegistryClient;
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use sha2::Digest as _;
@@ -55,16 +56,6 @@ pub struct NodeState {
     pub initramfs: String,
     /// `kvm` when a probe boot with KVM succeeded, else `tcg`.
     pub accel: String,
-}
-
-pub fn node_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("AMBER_HOME") {
-        return PathBuf::from(d);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/tmp"));
-    home.join(".cache/amber")
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -115,10 +106,10 @@ struct GuestRepo {
 }
 
 impl GuestRepo {
-    fn new(registry: &str) -> GuestRepo {
+    fn new(registry: &RegistryClient) -> GuestRepo {
         GuestRepo {
-            http: amber_snapshotter::source::registry_client(Duration::from_secs(300)),
-            base: format!("{registry}/v2/{GUEST_REPO}"),
+            http: registry.http.clone(),
+            base: registry.url(&format!("/v2/{GUEST_REPO}")),
         }
     }
 
@@ -309,7 +300,11 @@ fn kernel_from_debian(work: &Path) -> anyhow::Result<KernelFiles> {
 
 /// Prepares this node: kernel from the registry (or Debian, then pushed), the initramfs
 /// around `guest`, both pushed and stored by digest, and the accelerator probe. Idempotent.
-pub async fn setup(dir: &Path, registry: &str, guest: &[u8]) -> anyhow::Result<NodeState> {
+pub async fn setup(
+    dir: &Path,
+    registry: &RegistryClient,
+    guest: &[u8],
+) -> anyhow::Result<NodeState> {
     let repo = GuestRepo::new(registry);
     let kernel_tag = format!("kernel-{KERNEL_RELEASE}");
     let from_registry = match repo.artifact(&kernel_tag).await? {
@@ -399,7 +394,7 @@ pub async fn setup(dir: &Path, registry: &str, guest: &[u8]) -> anyhow::Result<N
 /// the registry and verified.
 pub async fn boot_file(
     dir: &Path,
-    registry: &str,
+    registry: &RegistryClient,
     digest: &str,
     what: &str,
 ) -> anyhow::Result<PathBuf> {
@@ -413,7 +408,8 @@ pub async fn boot_file(
             Ok(p)
         }
         None => bail!(
-            "the pinned {what} {digest} is neither on this node nor in {registry}/{GUEST_REPO}"
+            "the pinned {what} {digest} is neither on this node nor in {}/{GUEST_REPO}",
+            registry.base()
         ),
     }
 }

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use amber_guest::{Boot, Request};
+use amber_snapshotter::source::RegistryClient;
 
 use crate::exports::Exports;
 use crate::image;
@@ -31,13 +32,12 @@ pub struct VmOptions {
 
 /// Resolves the reference and the node's boot files into a launch.
 pub async fn launch(
-    registry: &str,
+    registry: &RegistryClient,
     node: &Path,
     a: &VmOptions,
 ) -> anyhow::Result<(image::Resolved, NodeState, Launch)> {
     let state = kernel::read_node(node)?;
-    let http = amber_snapshotter::source::registry_client(Duration::from_secs(300));
-    let resolved = image::resolve(&http, registry, &a.reference, Duration::from_secs(600)).await?;
+    let resolved = image::resolve(registry, &a.reference, Duration::from_secs(600)).await?;
     let hostname = a
         .hostname
         .clone()
@@ -48,7 +48,7 @@ pub async fn launch(
         a.accel.clone()
     };
     let l = Launch {
-        registry: registry.to_string(),
+        registry: registry.base().to_string(),
         env: resolved.env,
         kernel: kernel::boot_file(node, registry, &state.kernel, "kernel").await?,
         initramfs: kernel::boot_file(node, registry, &state.initramfs, "initramfs").await?,
@@ -80,11 +80,12 @@ pub fn new_id() -> anyhow::Result<String> {
 /// Boots `l`, runs `req` in it, and stops it; output passes through unchanged.
 pub async fn boot_and_exec(
     node: &Path,
+    registry: &RegistryClient,
     l: &Launch,
     req: &Request,
     timeout: Option<Duration>,
 ) -> anyhow::Result<Outcome> {
-    let exports = Exports::open(node, &l.registry).await?;
+    let exports = Exports::open(node, registry).await?;
     let sandbox = Sandbox::start(&exports, work_dir(node)?, l).await?;
     let s = sandbox.vm.mux.open();
     let stdin: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = if req.stdin {

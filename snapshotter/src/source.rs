@@ -43,54 +43,83 @@ pub struct RegistrySource {
     http: reqwest::Client,
 }
 
-/// Environment variable with the registry credentials `name:secret` (a robot's token
-/// for runners), sent as Basic auth on every request when the registry has auth on.
+/// Environment variable the binaries read the registry credentials from (`name:secret`,
+/// a robot's token for nodes). Libraries take them as `RegistryClient::new`'s argument.
 pub const CREDENTIALS_ENV: &str = "AMBER_REGISTRY_CREDENTIALS";
 
-/// What to do about a refused registry request, for error messages: empty unless
-/// `status` is 401 (no or wrong credentials) or 403 (the account lacks pull rights).
-pub fn access_hint(status: reqwest::StatusCode) -> String {
-    match status {
-        reqwest::StatusCode::UNAUTHORIZED if std::env::var_os(CREDENTIALS_ENV).is_none() => {
-            format!(" (the registry requires credentials: set {CREDENTIALS_ENV}=name:secret)")
-        }
-        reqwest::StatusCode::UNAUTHORIZED => {
-            format!(" (the registry refused the credentials in {CREDENTIALS_ENV})")
-        }
-        reqwest::StatusCode::FORBIDDEN => {
-            format!(" (the account in {CREDENTIALS_ENV} may not pull this repository)")
-        }
-        _ => String::new(),
-    }
+/// How a node reaches its registry: the base URL, an HTTP client with timeouts and the
+/// account's credentials on every request (reqwest drops them on a redirect to another
+/// host: presigned S3 URLs need none), and whether there are credentials (for hints).
+#[derive(Clone, Debug)]
+pub struct RegistryClient {
+    base: String,
+    pub http: reqwest::Client,
+    has_credentials: bool,
 }
 
-/// An HTTP client for the registry: timeouts, and the credentials of
-/// `AMBER_REGISTRY_CREDENTIALS` (if set) on every request. reqwest drops them on a
-/// redirect to another host (presigned S3 URLs need none).
-pub fn registry_client(timeout: std::time::Duration) -> reqwest::Client {
-    let mut headers = reqwest::header::HeaderMap::new();
-    if let Ok(creds) = std::env::var(CREDENTIALS_ENV) {
-        use base64::Engine;
-        let b64 = base64::engine::general_purpose::STANDARD.encode(creds.trim());
-        if let Ok(mut v) = reqwest::header::HeaderValue::from_str(&format!("Basic {b64}")) {
-            v.set_sensitive(true);
-            headers.insert(reqwest::header::AUTHORIZATION, v);
+impl RegistryClient {
+    /// A client of the registry at `base` sending `credentials` (`name:secret`) as Basic
+    /// auth; each request may take at most `timeout`.
+    pub fn new(
+        base: &str,
+        credentials: Option<&str>,
+        timeout: std::time::Duration,
+    ) -> RegistryClient {
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(creds) = credentials {
+            use base64::Engine;
+            let b64 = base64::engine::general_purpose::STANDARD.encode(creds.trim());
+            if let Ok(mut v) = reqwest::header::HeaderValue::from_str(&format!("Basic {b64}")) {
+                v.set_sensitive(true);
+                headers.insert(reqwest::header::AUTHORIZATION, v);
+            }
+        }
+        let http = reqwest::Client::builder()
+            .connect_timeout(std::time::Duration::from_secs(10))
+            .timeout(timeout)
+            .default_headers(headers)
+            .build()
+            .expect("HTTP client");
+        RegistryClient {
+            base: base.trim_end_matches('/').to_string(),
+            http,
+            has_credentials: credentials.is_some(),
         }
     }
-    reqwest::Client::builder()
-        .connect_timeout(std::time::Duration::from_secs(10))
-        .timeout(timeout)
-        .default_headers(headers)
-        .build()
-        .expect("HTTP client")
+
+    /// The registry's base URL (no trailing `/`).
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// `base` + `path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// What to do about a refused request, for error messages: empty unless `status` is
+    /// 401 (no or wrong credentials) or 403 (the account lacks pull rights).
+    pub fn access_hint(&self, status: reqwest::StatusCode) -> String {
+        match status {
+            reqwest::StatusCode::UNAUTHORIZED if !self.has_credentials => {
+                format!(" (the registry requires credentials: set {CREDENTIALS_ENV}=name:secret)")
+            }
+            reqwest::StatusCode::UNAUTHORIZED => {
+                format!(" (the registry refused the credentials in {CREDENTIALS_ENV})")
+            }
+            reqwest::StatusCode::FORBIDDEN => {
+                format!(" (the account in {CREDENTIALS_ENV} may not pull this repository)")
+            }
+            _ => String::new(),
+        }
+    }
 }
 
 impl RegistrySource {
-    pub fn new(base: &str) -> RegistrySource {
-        let http = registry_client(std::time::Duration::from_secs(300));
+    pub fn new(client: &RegistryClient) -> RegistrySource {
         RegistrySource {
-            base: base.trim_end_matches('/').to_string(),
-            http,
+            base: client.base.clone(),
+            http: client.http.clone(),
         }
     }
 

@@ -10,10 +10,11 @@ use std::sync::Arc;
 use amber_converter::manifest::EnvDigest;
 use amber_snapshotter::cache::ChunkCache;
 use amber_snapshotter::device::LazyDevice;
-use amber_snapshotter::source::RegistrySource;
+use amber_snapshotter::source::{RegistryClient, RegistrySource};
 use amber_testkit::layer::Layer;
 use amber_testkit::registry::{push_image, settled};
 use amber_testkit::Registry;
+use std::time::Duration;
 
 /// A layer with one 12 MiB file of varied bytes and some small files.
 fn layer() -> Vec<u8> {
@@ -43,7 +44,11 @@ async fn push_and_convert(reg: &Registry) -> EnvDigest {
 
 /// The device assembled directly from the registry (the reference bytes).
 async fn reference_device(reg: &Registry, env: &EnvDigest) -> Vec<u8> {
-    let src = RegistrySource::new(&reg.url(""));
+    let src = RegistrySource::new(&RegistryClient::new(
+        &reg.url(""),
+        None,
+        Duration::from_secs(60),
+    ));
     let m = src.manifest(env).await.unwrap().manifest;
     let mut dev = vec![0u8; m.device_size as usize];
     for e in &m.extents {
@@ -69,7 +74,11 @@ impl Drop for Export {
 }
 
 async fn export(reg: &Registry, env: &EnvDigest, cache_dir: &Path, work: &Path) -> Export {
-    let src = Arc::new(RegistrySource::new(&reg.url("")));
+    let src = Arc::new(RegistrySource::new(&RegistryClient::new(
+        &reg.url(""),
+        None,
+        Duration::from_secs(60),
+    )));
     let m = src.manifest(env).await.unwrap().manifest;
     let cache = Arc::new(ChunkCache::open(cache_dir, 1 << 30, src).unwrap());
     let device = Arc::new(LazyDevice::new(m, cache.clone()));
@@ -208,7 +217,11 @@ async fn qemu_reads_a_bit_identical_device_lazily_and_a_warm_cache_fetches_nothi
 async fn a_chunk_corrupted_in_the_registry_store_is_an_io_error_for_the_client() {
     let reg = Registry::start(&[]);
     let env = push_and_convert(&reg).await;
-    let src = RegistrySource::new(&reg.url(""));
+    let src = RegistrySource::new(&RegistryClient::new(
+        &reg.url(""),
+        None,
+        Duration::from_secs(60),
+    ));
     let m = src.manifest(&env).await.unwrap().manifest;
     // Corrupt the stored chunk holding the start of the big file (the largest extent).
     let victim = m.extents.iter().max_by_key(|e| e.length).unwrap().clone();

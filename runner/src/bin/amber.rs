@@ -14,6 +14,21 @@ use amber_node::receipt;
 use amber_node::run::{boot_and_exec, launch, new_id, VmOptions};
 use amber_node::sandbox::{self, Launch, Record};
 use amber_node::{daemon, session};
+use amber_snapshotter::source::{RegistryClient, CREDENTIALS_ENV};
+
+/// The longest one registry request may take.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The node's directory: `AMBER_HOME`, else `~/.cache/amber`.
+fn node_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("AMBER_HOME") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
+    home.join(".cache/amber")
+}
 
 #[derive(Parser)]
 #[command(name = "amber", version, about = "Run pinned environments in microVMs")]
@@ -167,7 +182,9 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<i32> {
-    let node = kernel::node_dir();
+    let node = node_dir();
+    let credentials = std::env::var(CREDENTIALS_ENV).ok();
+    let registry = RegistryClient::new(&cli.registry, credentials.as_deref(), HTTP_TIMEOUT);
     match cli.command {
         Cmd::Setup { guest } => {
             let agent = match &guest {
@@ -175,14 +192,14 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
                     .with_context(|| format!("reading the guest agent {}", p.display()))?,
                 None => kernel::GUEST_AGENT.to_vec(),
             };
-            let s = kernel::setup(&node, &cli.registry, &agent).await?;
+            let s = kernel::setup(&node, &registry, &agent).await?;
             println!("kernel {} {}", s.kernel_release, s.kernel);
             println!("initramfs {}", s.initramfs);
             println!("accel {}", s.accel);
             Ok(0)
         }
-        Cmd::Run(a) => run_cmd(&cli.registry, &node, *a).await,
-        Cmd::Create(a) => create(&cli.registry, &node, *a).await,
+        Cmd::Run(a) => run_cmd(&registry, &node, *a).await,
+        Cmd::Create(a) => create(&registry, &node, *a).await,
         Cmd::Exec(a) => exec(&node, a).await,
         Cmd::Cp { src, dest } => cp(&node, &src, &dest).await,
         Cmd::Rm { ids } => {
@@ -207,9 +224,9 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
             }
             Ok(0)
         }
-        Cmd::Reproduce { receipt } => reproduce(&node, &receipt).await,
+        Cmd::Reproduce { receipt } => reproduce(&node, &receipt, credentials.as_deref()).await,
         Cmd::NodeDaemon => {
-            let served = daemon::serve(&node, &cli.registry, || {
+            let served = daemon::serve(&node, &registry, || {
                 use std::io::Write;
                 let mut out = std::io::stdout();
                 let _ = out.write_all(b"ready\n").and_then(|()| out.flush());
@@ -226,7 +243,7 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
     }
 }
 
-async fn run_cmd(registry: &str, node: &Path, a: RunArgs) -> anyhow::Result<i32> {
+async fn run_cmd(registry: &RegistryClient, node: &Path, a: RunArgs) -> anyhow::Result<i32> {
     let (resolved, state, mut l) = launch(registry, node, &a.vm.options()).await?;
     l.prefetch = a.prefetch;
     l.root_image = a.root_image.clone();
@@ -242,11 +259,11 @@ async fn run_cmd(registry: &str, node: &Path, a: RunArgs) -> anyhow::Result<i32>
         &l.boot.hostname,
         a.interactive,
     );
-    let out = boot_and_exec(node, &l, &req, a.timeout.map(Duration::from_secs)).await?;
+    let out = boot_and_exec(node, registry, &l, &req, a.timeout.map(Duration::from_secs)).await?;
     if let Some(path) = &a.receipt {
         let r = receipt::Receipt {
             version: receipt::RECEIPT_VERSION,
-            registry: registry.to_string(),
+            registry: registry.base().to_string(),
             reference: a.vm.reference.clone(),
             image_digest: resolved.image_digest.clone(),
             env_digest: resolved.env.to_string(),
@@ -267,7 +284,7 @@ async fn run_cmd(registry: &str, node: &Path, a: RunArgs) -> anyhow::Result<i32>
     Ok(out.status)
 }
 
-async fn reproduce(node: &Path, path: &Path) -> anyhow::Result<i32> {
+async fn reproduce(node: &Path, path: &Path, credentials: Option<&str>) -> anyhow::Result<i32> {
     let text =
         std::fs::read(path).with_context(|| format!("reading receipt {}", path.display()))?;
     let r: receipt::Receipt =
@@ -282,17 +299,18 @@ async fn reproduce(node: &Path, path: &Path) -> anyhow::Result<i32> {
         !r.request.stdin,
         "the receipt's command read stdin, which a receipt does not record"
     );
+    let registry = RegistryClient::new(&r.registry, credentials, HTTP_TIMEOUT);
     let l = Launch {
         registry: r.registry.clone(),
         env: r.env_digest.parse()?,
-        kernel: kernel::boot_file(node, &r.registry, &r.kernel, "kernel").await?,
-        initramfs: kernel::boot_file(node, &r.registry, &r.initramfs, "initramfs").await?,
+        kernel: kernel::boot_file(node, &registry, &r.kernel, "kernel").await?,
+        initramfs: kernel::boot_file(node, &registry, &r.initramfs, "initramfs").await?,
         shape: r.vm.clone(),
         boot: r.boot.clone(),
         prefetch: false,
         root_image: None,
     };
-    let out = boot_and_exec(node, &l, &r.request, None).await?;
+    let out = boot_and_exec(node, &registry, &l, &r.request, None).await?;
     let same = out.status == r.exit_status && out.stdout == r.stdout && out.stderr == r.stderr;
     if same {
         eprintln!(
@@ -309,7 +327,7 @@ async fn reproduce(node: &Path, path: &Path) -> anyhow::Result<i32> {
     }
 }
 
-async fn create(registry: &str, node: &Path, a: CreateArgs) -> anyhow::Result<i32> {
+async fn create(registry: &RegistryClient, node: &Path, a: CreateArgs) -> anyhow::Result<i32> {
     let (resolved, _, l) = launch(registry, node, &a.vm.options()).await?;
     let id = new_id()?;
     let dir = sandbox::sandbox_dir(node, &id)?;
@@ -337,11 +355,10 @@ async fn create(registry: &str, node: &Path, a: CreateArgs) -> anyhow::Result<i3
         serde_json::to_vec_pretty(&record)?,
     )?;
     let exe = std::env::current_exe()?;
-    let registry = registry.to_string();
     let started = daemon::create(node, &record, || {
         let mut c = std::process::Command::new(&exe);
         c.arg("--registry")
-            .arg(&registry)
+            .arg(registry.base())
             .arg("node-daemon")
             .env("AMBER_HOME", node);
         c

@@ -10,7 +10,7 @@ use clap::Parser;
 use amber_converter::manifest::EnvDigest;
 use amber_snapshotter::cache::ChunkCache;
 use amber_snapshotter::device::LazyDevice;
-use amber_snapshotter::source::RegistrySource;
+use amber_snapshotter::source::{RegistryClient, RegistrySource, CREDENTIALS_ENV};
 
 #[derive(Parser)]
 #[command(
@@ -51,7 +51,13 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    let source = Arc::new(RegistrySource::new(&cli.registry));
+    let credentials = std::env::var(CREDENTIALS_ENV).ok();
+    let client = RegistryClient::new(
+        &cli.registry,
+        credentials.as_deref(),
+        std::time::Duration::from_secs(300),
+    );
+    let source = Arc::new(RegistrySource::new(&client));
     let envelope = source.manifest(&cli.env).await?;
     let cache = Arc::new(ChunkCache::open(&cli.cache, cli.cache_bytes, source)?);
     let device = Arc::new(LazyDevice::new(envelope.manifest, cache));
