@@ -88,15 +88,40 @@ fn store_boot_file(dir: &Path, bytes: &[u8]) -> anyhow::Result<String> {
     Ok(digest)
 }
 
-pub fn read_node(dir: &Path) -> anyhow::Result<NodeState> {
+/// Why a boot file or the node's state is not at hand.
+#[derive(Debug, thiserror::Error)]
+pub enum BootFileError {
+    #[error("this node is not set up ({path}): run `amber setup`")]
+    NotSetUp { path: PathBuf },
+    #[error("{path} is unreadable: {why}; run `amber setup` again")]
+    NodeState { path: PathBuf, why: String },
+    #[error("the pinned {what} {digest} is neither on this node nor in {registry}/{GUEST_REPO}")]
+    Missing {
+        what: String,
+        digest: String,
+        registry: String,
+    },
+    #[error("fetching the pinned {what} {digest}: {why}")]
+    Fetch {
+        what: String,
+        digest: String,
+        why: String,
+    },
+    #[error("storing the pinned {what} {digest} on this node: {why}")]
+    Store {
+        what: String,
+        digest: String,
+        why: String,
+    },
+}
+
+pub fn read_node(dir: &Path) -> Result<NodeState, BootFileError> {
     let p = dir.join("node.json");
-    let text = std::fs::read(&p).with_context(|| {
-        format!(
-            "this node is not set up ({}): run `amber setup`",
-            p.display()
-        )
-    })?;
-    serde_json::from_slice(&text).with_context(|| format!("reading {}", p.display()))
+    let text = std::fs::read(&p).map_err(|_| BootFileError::NotSetUp { path: p.clone() })?;
+    serde_json::from_slice(&text).map_err(|e| BootFileError::NodeState {
+        path: p,
+        why: e.to_string(),
+    })
 }
 
 /// The registry's `amber/guest` repository.
@@ -397,20 +422,34 @@ pub async fn boot_file(
     registry: &RegistryClient,
     digest: &str,
     what: &str,
-) -> anyhow::Result<PathBuf> {
+) -> Result<PathBuf, BootFileError> {
     let p = boot_path(dir, digest);
     if p.exists() {
         return Ok(p);
     }
-    match GuestRepo::new(registry).blob(digest).await? {
+    let fetched =
+        GuestRepo::new(registry)
+            .blob(digest)
+            .await
+            .map_err(|e| BootFileError::Fetch {
+                what: what.into(),
+                digest: digest.into(),
+                why: format!("{e:#}"),
+            })?;
+    match fetched {
         Some(bytes) => {
-            store_boot_file(dir, &bytes)?;
+            store_boot_file(dir, &bytes).map_err(|e| BootFileError::Store {
+                what: what.into(),
+                digest: digest.into(),
+                why: format!("{e:#}"),
+            })?;
             Ok(p)
         }
-        None => bail!(
-            "the pinned {what} {digest} is neither on this node nor in {}/{GUEST_REPO}",
-            registry.base()
-        ),
+        None => Err(BootFileError::Missing {
+            what: what.into(),
+            digest: digest.into(),
+            registry: registry.base().into(),
+        }),
     }
 }
 

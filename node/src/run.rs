@@ -9,7 +9,7 @@ use amber_snapshotter::source::RegistryClient;
 
 use crate::exports::Exports;
 use crate::image;
-use crate::kernel::{self, NodeState};
+use crate::kernel::{self, BootFileError, NodeState};
 use crate::receipt;
 use crate::sandbox::{Launch, Sandbox};
 use crate::session::{self, Outcome};
@@ -30,12 +30,21 @@ pub struct VmOptions {
     pub root_device: bool,
 }
 
+/// Why a reference and this node's boot files did not make a launch.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error(transparent)]
+    BootFile(#[from] BootFileError),
+    #[error(transparent)]
+    Image(#[from] image::ImageError),
+}
+
 /// Resolves the reference and the node's boot files into a launch.
 pub async fn launch(
     registry: &RegistryClient,
     node: &Path,
     a: &VmOptions,
-) -> anyhow::Result<(image::Resolved, NodeState, Launch)> {
+) -> Result<(image::Resolved, NodeState, Launch), LaunchError> {
     let state = kernel::read_node(node)?;
     let resolved = image::resolve(registry, &a.reference, Duration::from_secs(600)).await?;
     let hostname = a

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::exports::{Export, ExportError, Exports};
 use crate::mux::{Mux, SessionTx};
 use crate::receipt;
-use crate::vm::{Root, Vm, VmSpec};
+use crate::vm::{Root, Vm, VmError, VmSpec};
 
 /// Everything needed to boot a sandbox.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -59,8 +59,8 @@ pub enum StartError {
     /// A chunk of the env failed verification while the guest booted.
     #[error("{0}")]
     Integrity(Arc<CacheError>),
-    #[error("the VM failed to start: {0:#}")]
-    Vm(anyhow::Error),
+    #[error("the VM failed to start: {0}")]
+    Vm(#[from] VmError),
 }
 
 /// A running sandbox: its VM, the env export feeding it, and its work directory.

@@ -7,9 +7,35 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use amber_guest::{Boot, BOOT, ERROR, EXIT, READY, SHUTDOWN};
-use anyhow::{bail, Context};
 
 use crate::mux::Mux;
+
+/// Why a VM did not come up.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("starting {qemu} (run `amber setup`): {source}")]
+    Spawn {
+        qemu: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("QEMU exited with {status} before the VM started: {stderr}")]
+    QemuExited {
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+    #[error("QEMU never opened the control socket {0}")]
+    NoControlSocket(PathBuf),
+    #[error("talking to the guest agent: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the guest could not start the sandbox: {0}")]
+    Guest(String),
+    /// The agent speaks a protocol version this host cannot drive.
+    #[error("{0}")]
+    Protocol(String),
+    #[error("the VM stopped while booting; console:\n{0}")]
+    Stopped(String),
+}
 
 pub struct VmSpec {
     pub qemu: PathBuf,
@@ -89,7 +115,7 @@ pub struct Vm {
 impl Vm {
     /// Boots QEMU and sends `boot`; returns once the guest has mounted its root (or
     /// with the console's last lines when it could not).
-    pub async fn boot(spec: &VmSpec, boot: &Boot) -> anyhow::Result<Vm> {
+    pub async fn boot(spec: &VmSpec, boot: &Boot) -> Result<Vm, VmError> {
         let ctl = spec.work.join("ctl.sock");
         let console = spec.work.join("console.log");
         let mut qemu = tokio::process::Command::new(&spec.qemu)
@@ -99,7 +125,10 @@ impl Vm {
             .stderr(Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .with_context(|| format!("starting {} (run `amber setup`)", spec.qemu.display()))?;
+            .map_err(|source| VmError::Spawn {
+                qemu: spec.qemu.clone(),
+                source,
+            })?;
         // QEMU creates the control socket (server=on) before the guest starts: wait for
         // that event, bounded, watching for QEMU failing first.
         let mut stream = None;
@@ -114,40 +143,37 @@ impl Vm {
                     use tokio::io::AsyncReadExt;
                     let _ = e.read_to_string(&mut err).await;
                 }
-                bail!("QEMU exited with {st} before the VM started: {err}");
+                return Err(VmError::QemuExited {
+                    status: st,
+                    stderr: err,
+                });
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        let stream = stream.context("QEMU never opened the control socket")?;
+        let stream = stream.ok_or_else(|| VmError::NoControlSocket(ctl.clone()))?;
         let (mux, _) = Mux::new(stream);
         let vm = Vm { qemu, mux, console };
         let mut control = vm.mux.session(0);
-        control.tx.send(BOOT, &serde_json::to_vec(boot)?).await?;
+        control
+            .tx
+            .send(BOOT, &serde_json::to_vec(boot).expect("Boot serializes"))
+            .await?;
         let mut agent_error = None;
         loop {
             match control.recv().await {
                 Some(f) if f.kind == READY => {
-                    let ready =
-                        amber_guest::Ready::parse(&f.payload).map_err(anyhow::Error::msg)?;
-                    if let Err(why) = ready.check() {
-                        bail!("{why}");
-                    }
+                    let ready = amber_guest::Ready::parse(&f.payload).map_err(VmError::Protocol)?;
+                    ready.check().map_err(VmError::Protocol)?;
                     return Ok(vm);
                 }
                 Some(f) if f.kind == ERROR => {
                     agent_error = Some(String::from_utf8_lossy(&f.payload).into_owned())
                 }
                 Some(f) if f.kind == EXIT => {
-                    bail!(
-                        "the guest could not start the sandbox: {}",
-                        agent_error.unwrap_or_default()
-                    )
+                    return Err(VmError::Guest(agent_error.unwrap_or_default()));
                 }
                 Some(_) => {}
-                None => bail!(
-                    "the VM stopped while booting; console:\n{}",
-                    vm.console_tail()
-                ),
+                None => return Err(VmError::Stopped(vm.console_tail())),
             }
         }
     }
