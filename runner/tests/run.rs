@@ -187,6 +187,36 @@ fn bad_references_and_an_unprepared_node_get_clear_errors() {
     assert!(stderr(&e).contains("run `amber setup`"), "{}", stderr(&e));
 
     let node = Node::setup(&reg);
+
+    // A second node with nothing but the `amber` binary (copied alone into an empty
+    // directory) and the registry sets up with plain `amber setup` and gets the same boot
+    // files: the agent comes inside the binary, the kernel from the registry.
+    let alone = tempfile::tempdir().unwrap();
+    let exe = alone.path().join("amber");
+    std::fs::copy(target_dir().join("amber"), &exe).unwrap();
+    let second = Node::bare();
+    let out = std::process::Command::new(&exe)
+        .args(["--registry", &reg.url(""), "setup"])
+        .env("AMBER_HOME", second.home.path())
+        .env_remove("AMBER_GUEST")
+        .current_dir(alone.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "setup on a second node: {}",
+        stderr(&out)
+    );
+    let state = |n: &Node| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(n.home.path().join("node.json")).unwrap()).unwrap()
+    };
+    let (first, other) = (state(&node), state(&second));
+    assert_eq!(first["kernel"], other["kernel"]);
+    assert_eq!(
+        first["initramfs"], other["initramfs"],
+        "the initramfs is deterministic"
+    );
+
     for (reference, says) in [
         ("no/such:tag", "HTTP 404"),
         ("blake3:zz", "blake3"),
