@@ -86,6 +86,12 @@ impl Mux {
         (mux, rx)
     }
 
+    /// Closes this side's direction of the stream: the peer reads the end of it, and
+    /// every session it has open ends. Frames sent afterwards fail.
+    pub async fn shutdown(&self) {
+        let _ = self.0.writer.lock().await.shutdown().await;
+    }
+
     /// Opens a new session with a fresh id.
     pub fn open(&self) -> Session {
         let id = self.0.next.fetch_add(1, Ordering::Relaxed);

@@ -225,11 +225,21 @@ pub async fn serve(
     let mux = sandbox.vm.mux.clone();
     let device = sandbox.export.device.clone();
     let shutdown = Arc::new(tokio::sync::Notify::new());
+    // Every client connection's relay: told once the sandbox is gone, so a client waiting
+    // for the end (`amber rm`) sees its socket close after the directory went.
+    let mut relays = tokio::task::JoinSet::new();
+    let (gone_tx, gone) = tokio::sync::watch::channel(false);
     loop {
         tokio::select! {
             conn = listener.accept() => match conn {
                 Ok((conn, _)) => {
-                    tokio::spawn(relay(conn, mux.clone(), device.clone(), shutdown.clone()));
+                    relays.spawn(relay(
+                        conn,
+                        mux.clone(),
+                        device.clone(),
+                        shutdown.clone(),
+                        gone.clone(),
+                    ));
                 }
                 Err(e) => {
                     tracing::error!(error = %e, id = %record.id, "accepting on the sandbox socket");
@@ -242,6 +252,8 @@ pub async fn serve(
     }
     sandbox.shutdown().await;
     let _ = std::fs::remove_dir_all(dir);
+    let _ = gone_tx.send(true);
+    while relays.join_next().await.is_some() {}
 }
 
 /// Relays one client's sessions to fresh VM sessions and back.
@@ -250,10 +262,20 @@ async fn relay(
     vm: Mux,
     device: Arc<LazyDevice>,
     shutdown: Arc<tokio::sync::Notify>,
+    mut gone: tokio::sync::watch::Receiver<bool>,
 ) {
     let (client, mut incoming) = Mux::new(conn);
     let mut open: HashMap<u32, SessionTx> = HashMap::new();
-    while let Some(f) = incoming.recv().await {
+    // The session forwarders end with this relay (dropping the set aborts them).
+    let mut forwarders = tokio::task::JoinSet::new();
+    loop {
+        let f = tokio::select! {
+            f = incoming.recv() => match f {
+                Some(f) => f,
+                None => break,
+            },
+            _ = gone.changed() => break,
+        };
         if f.session == 0 {
             if f.kind == SHUTDOWN {
                 shutdown.notify_one();
@@ -264,7 +286,7 @@ async fn relay(
             let mut s = vm.open();
             open.insert(f.session, s.tx.clone());
             let (client, device, id) = (client.clone(), device.clone(), f.session);
-            tokio::spawn(async move {
+            forwarders.spawn(async move {
                 while let Some(g) = s.recv().await {
                     if g.kind == EXIT {
                         if let Some(e) = device.integrity_failure() {
@@ -281,4 +303,6 @@ async fn relay(
             let _ = tx.send(f.kind, &f.payload).await;
         }
     }
+    drop(forwarders);
+    client.shutdown().await;
 }

@@ -1,6 +1,7 @@
 //! `amber create`, `exec`, `cp` and `rm`: a sandbox stays up across commands; exec runs
 //! as `docker exec` does (the image's user, workdir and env; -u/-w/-e; stdin with -i;
-//! signals forwarded; exit status back); cp copies trees both ways; sessions run at once.
+//! signals forwarded; exit status back); cp copies trees both ways; sessions run at once;
+//! sandboxes of one node live in one node daemon, and removing one leaves the others.
 
 mod common;
 
@@ -184,6 +185,24 @@ fn a_sandbox_keeps_its_state_across_exec_and_copies() {
     assert_eq!(line, "got-term\n");
     assert_eq!(child.wait().unwrap().code(), Some(7));
 
+    // A second sandbox of the same env lives in the same node daemon (one process per
+    // node), has its own state, and removing it leaves the first one running.
+    let second = node.amber(&reg, &["create", "sandbox/worker:v1"]);
+    assert!(second.status.success(), "{}", stderr(&second));
+    let id2 = stdout(&second).trim().to_string();
+    assert_ne!(id2, id);
+    assert_eq!(
+        node_daemons(node.home.path()).len(),
+        1,
+        "one node daemon owns both sandboxes"
+    );
+    let o = exec(&[&id2, "--", "sh", "-c", "cat /work/f || echo fresh"]);
+    assert_eq!(stdout(&o), "fresh\n", "{}", stderr(&o));
+    let o = node.amber(&reg, &["rm", &id2]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!node.home.path().join("sandboxes").join(&id2).exists());
+    assert_eq!(stdout(&exec(&[&id, "--", "cat", "/work/f"])), "state\n");
+
     let o = node.amber(&reg, &["rm", &id]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&node.amber(&reg, &["ps"])), "");
@@ -195,4 +214,19 @@ fn a_sandbox_keeps_its_state_across_exec_and_copies() {
         "{}",
         stderr(&o)
     );
+}
+
+/// The pids of `amber node-daemon` processes serving the node at `home`.
+fn node_daemons(home: &std::path::Path) -> Vec<u32> {
+    let want = format!("AMBER_HOME={}", home.display());
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+            cmdline.split(|&b| b == 0).any(|a| a == b"node-daemon")
+                && environ.split(|&b| b == 0).any(|v| v == want.as_bytes())
+        })
+        .collect()
 }
