@@ -5,7 +5,8 @@
 //! Invariant kept here: every byte the node acts on is checked against the digest it was
 //! asked for before it is parsed. The image manifest must hash to the image digest that
 //! resolve named, and the config blob to the digest (and size) the manifest names; a
-//! mismatch is `ImageError::Integrity` naming the object, and nothing runs.
+//! mismatch is `ImageError::Integrity` naming the object, and nothing runs. Every answer
+//! is read with a bound (resolve 64 KiB, manifest 4 MiB, config 32 MiB).
 
 use std::time::Duration;
 
@@ -44,6 +45,8 @@ pub enum ImageError {
         body: String,
         hint: String,
     },
+    #[error("GET {url}: the answer is larger than the {limit} bytes allowed")]
+    TooLarge { url: String, limit: usize },
     #[error("the registry could not convert {reference}: {error}")]
     ConversionFailed { reference: String, error: String },
     #[error("{0} is not an image the registry can run (no conversion)")]
@@ -72,7 +75,42 @@ pub struct Resolved {
     pub config: RunConfig,
 }
 
-async fn get(registry: &RegistryClient, url: &str, accept: &str) -> Result<Vec<u8>, ImageError> {
+/// The most a resolve answer may take.
+const MAX_RESOLVE_BYTES: usize = 64 << 10;
+/// The most an image manifest may take (the registry's default `max_manifest_bytes`).
+const MAX_MANIFEST_BYTES: usize = 4 << 20;
+/// The most an image config may take.
+const MAX_CONFIG_BYTES: usize = 32 << 20;
+/// The most of an error answer's body quoted in the error.
+const MAX_ERROR_BODY: usize = 4 << 10;
+
+/// At most `limit` bytes of `r`'s body; `None` when it holds more.
+async fn read_bounded(
+    r: reqwest::Response,
+    limit: usize,
+) -> Result<Option<Vec<u8>>, reqwest::Error> {
+    use futures_util::StreamExt;
+    if r.content_length().is_some_and(|n| n > limit as u64) {
+        return Ok(None);
+    }
+    let mut body = Vec::new();
+    let mut stream = r.bytes_stream();
+    while let Some(piece) = stream.next().await {
+        let piece = piece?;
+        if body.len() + piece.len() > limit {
+            return Ok(None);
+        }
+        body.extend_from_slice(&piece);
+    }
+    Ok(Some(body))
+}
+
+async fn get(
+    registry: &RegistryClient,
+    url: &str,
+    accept: &str,
+    limit: usize,
+) -> Result<Vec<u8>, ImageError> {
     let unreachable = |source| ImageError::Unreachable {
         url: url.to_string(),
         source,
@@ -86,7 +124,10 @@ async fn get(registry: &RegistryClient, url: &str, accept: &str) -> Result<Vec<u
         .map_err(unreachable)?;
     let status = r.status();
     if !status.is_success() {
-        let body = r.text().await.unwrap_or_default();
+        let body = match read_bounded(r, MAX_ERROR_BODY).await {
+            Ok(Some(b)) => String::from_utf8_lossy(&b).into_owned(),
+            _ => String::new(),
+        };
         return Err(ImageError::Refused {
             url: url.to_string(),
             status: status.as_u16(),
@@ -94,7 +135,13 @@ async fn get(registry: &RegistryClient, url: &str, accept: &str) -> Result<Vec<u
             hint: registry.access_hint(status),
         });
     }
-    Ok(r.bytes().await.map_err(unreachable)?.to_vec())
+    read_bounded(r, limit)
+        .await
+        .map_err(unreachable)?
+        .ok_or_else(|| ImageError::TooLarge {
+            url: url.to_string(),
+            limit,
+        })
 }
 
 /// `bytes` when they hash to `expected`; an integrity error naming `object` otherwise.
@@ -147,7 +194,7 @@ pub async fn resolve(
     let deadline = std::time::Instant::now() + wait;
     let url = registry.url(&resolve_path(repo, &name.reference()));
     let resolved: Resolve = loop {
-        let bytes = get(registry, &url, "application/json").await?;
+        let bytes = get(registry, &url, "application/json", MAX_RESOLVE_BYTES).await?;
         let v: Resolve = serde_json::from_slice(&bytes).map_err(|e| ImageError::Invalid {
             object: "resolve answer for".into(),
             digest: reference.into(),
@@ -189,6 +236,7 @@ pub async fn resolve(
             registry,
             &registry.url(&format!("/v2/{repo}/manifests/{image}")),
             ACCEPT_IMAGE_MANIFEST,
+            MAX_MANIFEST_BYTES,
         )
         .await?,
         &image,
@@ -214,6 +262,7 @@ pub async fn resolve(
             registry,
             &registry.url(&format!("/v2/{repo}/blobs/{}", config_desc.digest)),
             "*/*",
+            MAX_CONFIG_BYTES,
         )
         .await?,
         &config_desc.digest,
