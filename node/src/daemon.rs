@@ -133,12 +133,7 @@ pub async fn serve(
                 }
             }
             _ = linger => break,
-            _ = term.recv() => {
-                stopping = true;
-                let _ = stop_tx.send(true);
-                if live.load(Ordering::SeqCst) == 0 { break; }
-            }
-            _ = int.recv() => {
+            _ = async { tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} } } => {
                 stopping = true;
                 let _ = stop_tx.send(true);
                 if live.load(Ordering::SeqCst) == 0 { break; }

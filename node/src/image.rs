@@ -59,6 +59,8 @@ pub enum ImageError {
         expected: String,
         actual: String,
     },
+    #[error("the registry's resolve answer for {reference} is invalid: {why}")]
+    BadResolve { reference: String, why: String },
     #[error("{object} {digest} is invalid: {why}")]
     Invalid {
         object: String,
@@ -195,9 +197,8 @@ pub async fn resolve(
     let url = registry.url(&resolve_path(repo, &name.reference()));
     let resolved: Resolve = loop {
         let bytes = get(registry, &url, "application/json", MAX_RESOLVE_BYTES).await?;
-        let v: Resolve = serde_json::from_slice(&bytes).map_err(|e| ImageError::Invalid {
-            object: "resolve answer for".into(),
-            digest: reference.into(),
+        let v: Resolve = serde_json::from_slice(&bytes).map_err(|e| ImageError::BadResolve {
+            reference: reference.into(),
             why: e.to_string(),
         })?;
         match v.state {
@@ -215,9 +216,8 @@ pub async fn resolve(
             _ => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     };
-    let env = resolved.env_digest.ok_or_else(|| ImageError::Invalid {
-        object: "resolve answer for".into(),
-        digest: reference.into(),
+    let env = resolved.env_digest.ok_or_else(|| ImageError::BadResolve {
+        reference: reference.into(),
         why: "state done without an env digest".into(),
     })?;
     let image = resolved.image_digest;

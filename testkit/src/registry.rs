@@ -222,10 +222,7 @@ impl Registry {
             let chunk = e["chunk"].as_str().unwrap();
             assert!(off >= at, "extents overlap");
             zeros(&mut h, off - at);
-            let data =
-                zstd::decode_all(&self.get(&format!("/amber/v1/chunks/{chunk}"))[..]).unwrap();
-            assert_eq!(format!("blake3:{}", blake3::hash(&data).to_hex()), chunk);
-            assert_eq!(data.len() as u64, len);
+            let data = verified_chunk(&self.get(&format!("/amber/v1/chunks/{chunk}")), chunk, len);
             h.update(&data);
             at = off + len;
         }
@@ -416,8 +413,16 @@ pub async fn get_bytes(s: &Registry, path: &str) -> Vec<u8> {
 
 /// A chunk from the amber API, decompressed and checked against its id and length.
 pub async fn chunk(s: &Registry, id: &str, len: u64) -> Vec<u8> {
-    let z = get_bytes(s, &format!("/amber/v1/chunks/{id}")).await;
-    let data = zstd::bulk::decompress(&z, len as usize).expect("a chunk is one zstd frame");
+    verified_chunk(
+        &get_bytes(s, &format!("/amber/v1/chunks/{id}")).await,
+        id,
+        len,
+    )
+}
+
+/// A stored chunk's bytes, decompressed and checked against its id and length.
+fn verified_chunk(stored: &[u8], id: &str, len: u64) -> Vec<u8> {
+    let data = zstd::bulk::decompress(stored, len as usize).expect("a chunk is one zstd frame");
     assert_eq!(format!("blake3:{}", blake3::hash(&data).to_hex()), id);
     assert_eq!(data.len() as u64, len);
     data
