@@ -25,7 +25,8 @@ pub const BOOT: u8 = 1;
 pub const EXEC: u8 = 2;
 /// Bytes for the command's stdin; an empty payload closes it.
 pub const STDIN: u8 = 3;
-/// Payload: a signal number as i32 BE, sent to the session's process.
+/// Payload: a signal number as i32 BE, sent to the session's process group (the command
+/// leads one).
 pub const SIGNAL: u8 = 4;
 /// Payload JSON [`Put`]: a tar stream follows as `DATA` frames (empty `DATA` ends it).
 pub const PUT: u8 = 5;

@@ -40,7 +40,7 @@ mod sys;
 mod users;
 
 /// Reads frames from the host and dispatches them until `SHUTDOWN` or the end of the port.
-fn dispatch(mut input: File, port: Port) -> Result<(), String> {
+fn dispatch(mut input: File, port: Port, module_failures: &[String]) -> Result<(), String> {
     let sessions: Sessions = Arc::default();
     let reaper: Arc<Mutex<Reaper>> = Arc::default();
     {
@@ -59,6 +59,14 @@ fn dispatch(mut input: File, port: Port) -> Result<(), String> {
             Err(e) => return Err(format!("reading from the host: {e}")),
         };
         match kind {
+            BOOT if !booted && !module_failures.is_empty() => port.fail(
+                0,
+                &format!(
+                    "kernel modules of the initramfs did not load (the initramfs is damaged or not built for this kernel): {}",
+                    module_failures.join("; ")
+                ),
+                125,
+            ),
             BOOT if !booted => {
                 let b: Boot =
                     serde_json::from_slice(&payload).map_err(|e| format!("bad BOOT: {e}"))?;
@@ -136,8 +144,15 @@ fn dispatch(mut input: File, port: Port) -> Result<(), String> {
             SIGNAL => {
                 let pid = sessions.lock().unwrap().get(&session).and_then(|l| l.pid);
                 if let Some(pid) = pid {
-                    // SAFETY: signalling our own child.
-                    unsafe { libc::kill(pid, amber_guest::parse_status(&payload)) };
+                    // The command leads its own process group (setsid): the signal goes to
+                    // the whole group, so a timeout also ends what a shell started.
+                    let sig = amber_guest::parse_status(&payload);
+                    // SAFETY: signalling our own child's process group, or the child.
+                    unsafe {
+                        if libc::kill(-pid, sig) != 0 {
+                            libc::kill(pid, sig);
+                        }
+                    }
                 }
             }
             other => eprintln!("amber-guest: ignoring frame kind {other} for session {session}"),
@@ -149,7 +164,7 @@ fn serve() -> Result<(), String> {
     mount("devtmpfs", "/dev", "devtmpfs", 0, "")?;
     mount("proc", "/proc", "proc", 0, "")?;
     mount("sysfs", "/sys", "sysfs", 0, "")?;
-    load_modules();
+    let module_failures = load_modules();
     let port_path = wait_for_devices()?;
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -159,7 +174,7 @@ fn serve() -> Result<(), String> {
     let port = Port(Arc::new(Mutex::new(
         file.try_clone().map_err(|e| e.to_string())?,
     )));
-    dispatch(file, port)
+    dispatch(file, port, &module_failures)
 }
 
 fn main() {

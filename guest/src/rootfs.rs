@@ -30,24 +30,39 @@ pub(crate) fn mount(
     Ok(())
 }
 
-pub(crate) fn load_modules() {
+/// Loads every module the initramfs carries, in order. Returns one line per module that
+/// failed (its file and the kernel's reason), also written to the console: a damaged or
+/// mismatched initramfs shows up here, not later as a mount that finds no filesystem.
+pub(crate) fn load_modules() -> Vec<String> {
     let Ok(rd) = std::fs::read_dir("/lib/modules") else {
-        return;
+        return Vec::new();
     };
     let mut mods: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
     mods.sort();
+    let mut failed = Vec::new();
     for m in mods {
-        let Ok(f) = File::open(&m) else { continue };
+        let f = match File::open(&m) {
+            Ok(f) => f,
+            Err(e) => {
+                failed.push(format!("{}: {e}", m.display()));
+                continue;
+            }
+        };
         let params = cstr("");
         // SAFETY: finit_module reads the open module file and the empty parameter string.
         let r = unsafe { libc::syscall(libc::SYS_finit_module, f.as_raw_fd(), params.as_ptr(), 0) };
         if r != 0 {
             let e = errno();
             if e.raw_os_error() != Some(libc::EEXIST) {
-                eprintln!("amber-guest: loading {}: {e}", m.display());
+                let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+                failed.push(format!("{} ({size} bytes): {e}", m.display()));
             }
         }
     }
+    for f in &failed {
+        eprintln!("amber-guest: loading kernel module {f}");
+    }
+    failed
 }
 
 /// Waits (bounded) for the root disk and the control port to appear.

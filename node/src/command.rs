@@ -55,6 +55,30 @@ pub fn request(
     }
 }
 
+/// How commands run in one sandbox unless a request says otherwise: the image's config
+/// (and the create's `env`, `workdir`, `user`) and the sandbox's hostname.
+#[derive(Clone, Debug)]
+pub struct ExecDefaults {
+    pub config: RunConfig,
+    pub hostname: String,
+}
+
+impl ExecDefaults {
+    /// The request for `o`, whose `env` is added to the defaults' and whose empty `cwd`
+    /// and `user` mean the defaults (`docker exec` semantics).
+    pub fn apply(&self, o: &Request) -> Request {
+        request(
+            &self.config,
+            o.argv.clone(),
+            &o.env,
+            (!o.cwd.is_empty()).then_some(o.cwd.as_str()),
+            (!o.user.is_empty()).then_some(o.user.as_str()),
+            &self.hostname,
+            o.stdin,
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

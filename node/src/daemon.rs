@@ -1,261 +1,169 @@
-//! The node daemon: one process per node (per `AMBER_HOME`) that owns every sandbox
-//! `amber create` starts, so they share one chunk cache (one fetch per chunk, one size
-//! bound) and one export per env. The node service of the next step (`amberd`, with its
-//! HTTP API, limits and lifetimes) grows from this process.
+//! `amberd`, the node daemon: one process per node (per `AMBER_HOME`) that owns every
+//! sandbox (`service::Node`) and serves the node API (`http`) on `<home>/amberd.sock`,
+//! and on TCP with a bearer token when asked.
 //!
-//! Control: `<node>/node.sock`, one request per connection, one JSON line each way
-//! (`DaemonRequest`, `DaemonReply`). The daemon holds an exclusive lock on
-//! `<node>/node.lock` for its whole life, so there is never more than one; it exits a
-//! short while after its last sandbox ended, and on SIGTERM or SIGINT after stopping
-//! every sandbox.
+//! Lifecycle: it holds an exclusive lock on `<home>/amberd.lock` for its whole life, so
+//! there is never more than one; before serving it stops any VM a dead predecessor left
+//! and reports those sandboxes lost (`Node::recover`). SIGTERM or SIGINT stop every
+//! sandbox, then the daemon. Started by the CLI on demand (`exit_when_idle`), it exits
+//! `LINGER` after its last sandbox ended.
 //!
-//! `create` is the client side: it starts the daemon when none answers (a detached
-//! process of its own, which prints `ready` once it serves), and retries when it met a
-//! daemon on its way out.
+//! `ensure_running` is the client side: it starts a daemon when none answers (a
+//! detached process of its own, which prints `ready` once it serves, or `running` when
+//! another holds the lock).
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-
-use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use amber_snapshotter::source::RegistryClient;
 
 use crate::exports::{ExportError, Exports};
-use crate::sandbox::{self, Record};
+use crate::service::{Limits, Node};
 
-/// How long an idle daemon waits for a new sandbox before it exits.
+/// How long a daemon started on demand waits for a new sandbox before it exits.
 pub const LINGER: Duration = Duration::from_secs(2);
-
-#[derive(Debug, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
-pub enum DaemonRequest {
-    /// Boot the sandbox of `record` (its directory holds `sandbox.json` already).
-    Create { record: Record },
-}
-
-#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(tag = "result", rename_all = "snake_case")]
-pub enum DaemonReply {
-    /// The sandbox answers on its socket.
-    Ready,
-    Failed {
-        error: String,
-    },
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
-    #[error("another node daemon is running on {0}")]
+    #[error("another amberd is running on {0}")]
     AlreadyRunning(PathBuf),
-    #[error("node daemon I/O on {path}: {source}")]
+    #[error("amberd I/O on {path}: {error}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
     #[error(transparent)]
     Export(#[from] ExportError),
-    #[error("the node daemon did not start: {0}")]
+    #[error("amberd did not start: {0}")]
     NotStarted(String),
-    #[error("the sandbox did not start: {0}")]
-    SandboxFailed(String),
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> DaemonError + '_ {
-    move |source| DaemonError::Io {
+    move |error| DaemonError::Io {
         path: path.to_path_buf(),
-        source,
+        error,
     }
 }
 
-pub fn socket_path(node: &Path) -> PathBuf {
-    node.join("node.sock")
+pub fn socket_path(home: &Path) -> PathBuf {
+    home.join("amberd.sock")
 }
 
-/// Serves the node until it is idle for `LINGER` or a signal arrives. Calls `ready`
-/// once the socket accepts requests.
+pub struct DaemonConfig {
+    pub home: PathBuf,
+    pub registry: RegistryClient,
+    pub limits: Limits,
+    /// Also serve on this TCP address, requiring this bearer token.
+    pub tcp: Option<(SocketAddr, String)>,
+    /// Exit `LINGER` after the last sandbox ended (a daemon the CLI started).
+    pub exit_when_idle: bool,
+}
+
+/// Serves the node until a signal arrives (or it is idle, with `exit_when_idle`). Calls
+/// `ready` with the TCP address (when serving TCP) once every listener accepts.
 pub async fn serve(
-    node: &Path,
-    registry: &RegistryClient,
-    ready: impl FnOnce(),
+    config: DaemonConfig,
+    ready: impl FnOnce(Option<SocketAddr>),
 ) -> Result<(), DaemonError> {
-    std::fs::create_dir_all(node).map_err(io(node))?;
-    let lock_path = node.join("node.lock");
+    let home = &config.home;
+    std::fs::create_dir_all(home).map_err(io(home))?;
+    let lock_path = home.join("amberd.lock");
     let lock = std::fs::File::create(&lock_path).map_err(io(&lock_path))?;
     if lock.try_lock().is_err() {
-        return Err(DaemonError::AlreadyRunning(node.to_path_buf()));
+        return Err(DaemonError::AlreadyRunning(home.clone()));
     }
-    let exports = Arc::new(Exports::open(node, registry).await?);
-    let sock = socket_path(node);
+    let exports = Arc::new(Exports::open(home, &config.registry).await?);
+    let node = Arc::new(Node::new(
+        home,
+        config.registry.clone(),
+        exports,
+        config.limits.clone(),
+    ));
+    for lost in node.recover().await {
+        tracing::warn!(id = %lost.id, reason = ?lost.reason, "a sandbox was lost");
+    }
+    let sock = socket_path(home);
     // Only the lock holder binds, so a socket file left here is a dead daemon's.
     let _ = std::fs::remove_file(&sock);
-    let listener = tokio::net::UnixListener::bind(&sock).map_err(io(&sock))?;
-    ready();
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let live = Arc::new(AtomicUsize::new(0));
-    let ended = Arc::new(tokio::sync::Notify::new());
+    let unix = tokio::net::UnixListener::bind(&sock).map_err(io(&sock))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o660))
+            .map_err(io(&sock))?;
+    }
+    let mut servers = tokio::task::JoinSet::new();
+    let app = crate::http::router(node.clone(), None);
+    servers.spawn(async move {
+        let _ = axum::serve(unix, app).await;
+    });
+    let mut tcp_addr = None;
+    if let Some((addr, token)) = &config.tcp {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(io(Path::new(&addr.to_string())))?;
+        tcp_addr = listener.local_addr().ok();
+        let app = crate::http::router(node.clone(), Some(token.clone()));
+        servers.spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+    }
+    ready(tcp_addr);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(io(&sock))?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
         .map_err(io(&sock))?;
-    let mut stopping = false;
-    let mut idle_since = Some(tokio::time::Instant::now());
     loop {
-        let linger = async {
-            match idle_since {
-                Some(t) => tokio::time::sleep_until(t + LINGER).await,
-                None => std::future::pending().await,
+        let idle = async {
+            if config.exit_when_idle && node.live_count() == 0 {
+                tokio::time::sleep(LINGER).await;
+            } else {
+                std::future::pending::<()>().await;
             }
         };
         tokio::select! {
-            conn = listener.accept(), if !stopping => {
-                let Ok((conn, _)) = conn else { continue };
-                live.fetch_add(1, Ordering::SeqCst);
-                idle_since = None;
-                let (exports, stop, live, ended) =
-                    (exports.clone(), stop_rx.clone(), live.clone(), ended.clone());
-                let node = node.to_path_buf();
-                tokio::spawn(async move {
-                    handle(conn, &node, &exports, stop).await;
-                    live.fetch_sub(1, Ordering::SeqCst);
-                    ended.notify_one();
-                });
-            }
-            _ = ended.notified() => {
-                if live.load(Ordering::SeqCst) == 0 {
-                    if stopping {
-                        break;
-                    }
-                    idle_since = Some(tokio::time::Instant::now());
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            _ = node.changed.notified() => continue,
+            _ = idle => {
+                if node.live_count() == 0 {
+                    break;
                 }
-            }
-            _ = linger => break,
-            _ = async { tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} } } => {
-                stopping = true;
-                let _ = stop_tx.send(true);
-                if live.load(Ordering::SeqCst) == 0 { break; }
             }
         }
     }
-    drop(listener);
+    node.stop_all("amberd stopped").await;
+    servers.abort_all();
     let _ = std::fs::remove_file(&sock);
     drop(lock);
     Ok(())
 }
 
-/// One request: boot the sandbox, answer when it is ready (or why not), then keep it
-/// until it ends.
-async fn handle(
-    conn: tokio::net::UnixStream,
-    node: &Path,
-    exports: &Exports,
-    stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let (read, mut write) = conn.into_split();
-    let mut line = String::new();
-    if BufReader::new(read).read_line(&mut line).await.is_err() {
-        return;
-    }
-    let reply = |r: DaemonReply| {
-        let mut text = serde_json::to_vec(&r).expect("json");
-        text.push(b'\n');
-        text
-    };
-    let record = match serde_json::from_str::<DaemonRequest>(&line) {
-        Ok(DaemonRequest::Create { record }) => record,
-        Err(e) => {
-            let error = format!("bad request: {e}");
-            let _ = write.write_all(&reply(DaemonReply::Failed { error })).await;
-            return;
-        }
-    };
-    if record.launch.registry != exports.registry() {
-        let error = format!(
-            "this node's daemon serves registry {}, not {}; remove its sandboxes first",
-            exports.registry(),
-            record.launch.registry
-        );
-        let _ = write.write_all(&reply(DaemonReply::Failed { error })).await;
-        return;
-    }
-    let dir = match sandbox::sandbox_dir(node, &record.id) {
-        Ok(d) => d,
-        Err(e) => {
-            let error = e.to_string();
-            let _ = write.write_all(&reply(DaemonReply::Failed { error })).await;
-            return;
-        }
-    };
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let answer = tokio::spawn(async move {
-        if let Ok(r) = rx.await {
-            let r = match r {
-                Ok(()) => DaemonReply::Ready,
-                Err(error) => DaemonReply::Failed { error },
-            };
-            let _ = write.write_all(&reply(r)).await;
-        }
-    });
-    sandbox::serve(exports, &dir, &record, tx, stop).await;
-    let _ = answer.await;
-}
-
-/// Asks the node daemon to boot `record`'s sandbox, starting the daemon with
-/// `start_daemon` when none answers. Returns once the sandbox is ready.
-pub async fn create(
-    node: &Path,
-    record: &Record,
+/// Makes sure an amberd serves `home`, starting one with `start_daemon` when none
+/// answers.
+pub async fn ensure_running(
+    home: &Path,
     start_daemon: impl Fn() -> std::process::Command,
 ) -> Result<(), DaemonError> {
-    let sock = socket_path(node);
-    let request = {
-        let mut r = serde_json::to_vec(&DaemonRequest::Create {
-            record: record.clone(),
-        })
-        .expect("json");
-        r.push(b'\n');
-        r
-    };
-    let mut last = String::from("no daemon answered");
+    let sock = socket_path(home);
+    let mut last = String::from("no amberd answered");
     for attempt in 0..50u64 {
-        match tokio::net::UnixStream::connect(&sock).await {
-            Ok(conn) => {
-                let (read, mut write) = conn.into_split();
-                if write.write_all(&request).await.is_err() {
-                    last = "the daemon closed its socket".into();
-                    continue;
-                }
-                let mut line = String::new();
-                let n = BufReader::new(read)
-                    .read_line(&mut line)
-                    .await
-                    .map_err(io(&sock))?;
-                if n == 0 {
-                    // A daemon on its way out: start another.
-                    last = "the daemon exited before answering".into();
-                    continue;
-                }
-                return match serde_json::from_str(&line) {
-                    Ok(DaemonReply::Ready) => Ok(()),
-                    Ok(DaemonReply::Failed { error }) => Err(DaemonError::SandboxFailed(error)),
-                    Err(e) => Err(DaemonError::SandboxFailed(format!(
-                        "unreadable daemon answer {line:?}: {e}"
-                    ))),
-                };
-            }
-            Err(_) => {
-                let said = start(node, &start_daemon).await?;
-                if said != "ready" {
-                    // Another daemon holds the lock but does not serve yet (or is
-                    // exiting): give it a moment.
-                    last = format!("the node daemon said {said:?}");
-                    tokio::time::sleep(Duration::from_millis(20 * (attempt + 1))).await;
-                }
-            }
+        if crate::client::NodeClient::unix(&sock)
+            .health()
+            .await
+            .is_ok()
+        {
+            return Ok(());
         }
+        let said = start(home, &start_daemon).await?;
+        if said == "ready" {
+            return Ok(());
+        }
+        // Another daemon holds the lock but does not serve yet (or is exiting): give
+        // it a moment, then ask again.
+        last = format!("amberd said {said:?}");
+        tokio::time::sleep(Duration::from_millis(20 * (attempt + 1))).await;
     }
     Err(DaemonError::NotStarted(last))
 }
@@ -263,11 +171,12 @@ pub async fn create(
 /// Starts a daemon; returns the first line it printed (`ready`, or `running` when
 /// another daemon holds the node).
 async fn start(
-    node: &Path,
+    home: &Path,
     start_daemon: &impl Fn() -> std::process::Command,
 ) -> Result<String, DaemonError> {
     use std::os::unix::process::CommandExt;
-    let log_path = node.join("node.log");
+    std::fs::create_dir_all(home).map_err(io(home))?;
+    let log_path = home.join("amberd.log");
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -291,6 +200,7 @@ async fn start(
     .map_err(io(&log_path))?;
     let said = line.trim().to_string();
     if said == "ready" {
+        // The daemon lives on alone; its exit is reaped by init once this process ends.
         return Ok(said);
     }
     let status = tokio::task::spawn_blocking(move || child.wait())
@@ -306,4 +216,104 @@ async fn start(
         "it exited with {status}: {}",
         tail.into_iter().rev().collect::<Vec<_>>().join("\n")
     )))
+}
+
+/// amberd's flags, shared by the `amberd` binary and `amber daemon`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct DaemonArgs {
+    /// Also serve the node API on this TCP address (bearer token required).
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// A file holding the bearer token for TCP clients.
+    #[arg(long, env = "AMBERD_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// The most sandboxes at once (default 256).
+    #[arg(long)]
+    pub max_sandboxes: Option<u32>,
+    /// The most vCPUs given out at once (default 4 per host CPU).
+    #[arg(long)]
+    pub max_cpus: Option<u32>,
+    /// The most guest memory given out at once, MiB (default twice the host's).
+    #[arg(long)]
+    pub max_memory_mib: Option<u64>,
+    /// Exit shortly after the last sandbox ended (how the CLI starts amberd).
+    #[arg(long)]
+    pub exit_when_idle: bool,
+}
+
+impl DaemonArgs {
+    /// The configuration these flags describe, for `home` and `registry`.
+    pub fn config(&self, home: &Path, registry: RegistryClient) -> Result<DaemonConfig, String> {
+        let mut limits = Limits::for_host();
+        if let Some(n) = self.max_sandboxes {
+            limits.sandboxes = n;
+        }
+        if let Some(n) = self.max_cpus {
+            limits.cpus = n;
+        }
+        if let Some(n) = self.max_memory_mib {
+            limits.memory_mib = n;
+        }
+        let tcp = match (&self.listen, &self.token_file) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(
+                    "--listen needs --token-file: the TCP API requires a bearer token".into(),
+                )
+            }
+            (Some(addr), Some(f)) => {
+                let token = std::fs::read_to_string(f)
+                    .map_err(|e| format!("reading the token file {}: {e}", f.display()))?
+                    .trim()
+                    .to_string();
+                if token.len() < 16 {
+                    return Err(format!(
+                        "the token in {} is shorter than 16 characters",
+                        f.display()
+                    ));
+                }
+                Some((*addr, token))
+            }
+        };
+        Ok(DaemonConfig {
+            home: home.to_path_buf(),
+            registry,
+            limits,
+            tcp,
+            exit_when_idle: self.exit_when_idle,
+        })
+    }
+}
+
+/// Runs amberd as a command: prints `ready` (and `listening on ADDR` for TCP) once it
+/// serves, or `running` when another amberd holds `home`. Its exit code.
+pub async fn run_daemon(args: &DaemonArgs, home: &Path, registry: RegistryClient) -> i32 {
+    let config = match args.config(home, registry) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("amberd: {e}");
+            return 2;
+        }
+    };
+    let served = serve(config, |addr| {
+        use std::io::Write;
+        let mut out = std::io::stdout();
+        let mut text = String::from("ready\n");
+        if let Some(a) = addr {
+            text += &format!("listening on {a}\n");
+        }
+        let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    })
+    .await;
+    match served {
+        Ok(()) => 0,
+        Err(DaemonError::AlreadyRunning(_)) => {
+            println!("running");
+            0
+        }
+        Err(e) => {
+            eprintln!("amberd: {e}");
+            1
+        }
+    }
 }

@@ -5,13 +5,17 @@
 //! Invariants kept here:
 //! - an env has at most one live export in a process; it is served on
 //!   `<node>/exports/<env>.sock` while any sandbox holds it and removed with the last;
-//! - every export reads through the one cache, so the cache's bound is the process's.
+//! - every export reads through the one cache, so the cache's bound is the process's;
+//! - every env this node has opened is remembered in `<node>/envs/<env hex>.json` (its
+//!   chunks and their sizes), so the node can say how much of it its cache holds.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 
-use amber_converter::manifest::EnvDigest;
+use amber_api::node::CachedEnv;
+use amber_converter::manifest::{BlockManifest, EnvDigest};
+use amber_oci::env::ChunkId;
 use amber_snapshotter::cache::{CacheError, ChunkCache};
 use amber_snapshotter::device::LazyDevice;
 use amber_snapshotter::source::{RegistryClient, RegistrySource, SourceError};
@@ -58,6 +62,18 @@ pub struct Exports {
     source: Arc<RegistrySource>,
     cache: Arc<ChunkCache>,
     live: tokio::sync::Mutex<HashMap<EnvDigest, Weak<Export>>>,
+    envs_dir: PathBuf,
+    known: std::sync::Mutex<HashMap<EnvDigest, Arc<Vec<(ChunkId, u64)>>>>,
+}
+
+/// An env's distinct chunks and their sizes.
+fn chunks_of(m: &BlockManifest) -> Vec<(ChunkId, u64)> {
+    let mut seen = std::collections::HashSet::new();
+    m.extents
+        .iter()
+        .filter(|e| seen.insert(e.chunk))
+        .map(|e| (e.chunk, e.length))
+        .collect()
 }
 
 impl Exports {
@@ -69,7 +85,19 @@ impl Exports {
             tokio::task::spawn_blocking(move || ChunkCache::open(dir, NODE_CACHE_BYTES, src))
                 .await
                 .expect("cache open task")?;
+        let envs_dir = node.join("envs");
+        let mut known = HashMap::new();
+        for e in std::fs::read_dir(&envs_dir).into_iter().flatten().flatten() {
+            let parsed = std::fs::read(e.path())
+                .ok()
+                .and_then(|b| serde_json::from_slice::<(EnvDigest, Vec<(ChunkId, u64)>)>(&b).ok());
+            if let Some((env, chunks)) = parsed {
+                known.insert(env, Arc::new(chunks));
+            }
+        }
         Ok(Exports {
+            envs_dir,
+            known: std::sync::Mutex::new(known),
             dir: node.join("exports"),
             registry: registry.base().to_string(),
             source,
@@ -84,6 +112,64 @@ impl Exports {
 
     pub fn cache(&self) -> &Arc<ChunkCache> {
         &self.cache
+    }
+
+    /// Remembers `m` as the manifest of `env` (in memory and under `envs/`).
+    fn remember(&self, env: &EnvDigest, m: &BlockManifest) {
+        if self.known.lock().unwrap().contains_key(env) {
+            return;
+        }
+        let chunks = chunks_of(m);
+        let _ = std::fs::create_dir_all(&self.envs_dir);
+        let path = self.envs_dir.join(format!("{}.json", env.hex()));
+        let tmp = path.with_extension("tmp");
+        let body = serde_json::to_vec(&(env, &chunks)).expect("json");
+        if std::fs::write(&tmp, body).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+        self.known.lock().unwrap().insert(*env, Arc::new(chunks));
+    }
+
+    /// Fetches `env`'s manifest to know its size, without serving it.
+    pub async fn learn(&self, env: &EnvDigest) -> Result<(), ExportError> {
+        let envelope = match self.source.manifest(env).await {
+            Err(SourceError::NotFound(_)) => {
+                return Err(ExportError::EnvNotFound {
+                    env: *env,
+                    registry: self.registry.clone(),
+                })
+            }
+            r => r?,
+        };
+        self.remember(env, &envelope.manifest);
+        Ok(())
+    }
+
+    /// The envs this node has served or learned.
+    pub fn known_envs(&self) -> Vec<EnvDigest> {
+        let mut v: Vec<EnvDigest> = self.known.lock().unwrap().keys().copied().collect();
+        v.sort_by_key(|e| e.to_string());
+        v
+    }
+
+    /// How much of `env` the cache holds; `None` for an env this node does not know.
+    pub fn cached(&self, env: &EnvDigest) -> Option<CachedEnv> {
+        let chunks = self.known.lock().unwrap().get(env)?.clone();
+        let mut c = CachedEnv {
+            env_digest: env.to_string(),
+            chunks: chunks.len() as u64,
+            cached_chunks: 0,
+            bytes: 0,
+            cached_bytes: 0,
+        };
+        for (id, len) in chunks.iter() {
+            c.bytes += len;
+            if self.cache.contains(id) {
+                c.cached_chunks += 1;
+                c.cached_bytes += len;
+            }
+        }
+        Some(c)
     }
 
     /// The export of `env`, started if no sandbox holds it yet.
@@ -102,6 +188,7 @@ impl Exports {
             }
             r => r?,
         };
+        self.remember(env, &envelope.manifest);
         let device = Arc::new(LazyDevice::new(envelope.manifest, self.cache.clone()));
         let socket = self
             .dir

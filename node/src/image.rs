@@ -77,6 +77,18 @@ pub struct Resolved {
     pub config: RunConfig,
 }
 
+/// `reference` pinned to `image_digest` (`[host/]name@sha256:…`), so whoever resolves it
+/// later gets the image resolved now; an env digest stays as it is.
+pub fn pinned(reference: &str, image_digest: &str) -> String {
+    match ImageRef::parse(reference) {
+        Ok(ImageRef::Image(n)) => {
+            let host = n.registry.map(|h| format!("{h}/")).unwrap_or_default();
+            format!("{host}{}@{image_digest}", n.repository)
+        }
+        _ => reference.to_string(),
+    }
+}
+
 /// The most a resolve answer may take.
 const MAX_RESOLVE_BYTES: usize = 64 << 10;
 /// The most an image manifest may take (the registry's default `max_manifest_bytes`).

@@ -1,5 +1,5 @@
 //! amber's node: everything that runs environments on one machine. The `amber` command
-//! line is a thin layer over it, and the node service (`amberd`) grows from `daemon`.
+//! line is a thin client of `amberd` (`daemon`), which serves the node API.
 //!
 //! Modules:
 //! - `kernel`: the guest's boot files on the node and in the registry (the pinned Debian
@@ -11,20 +11,38 @@
 //! - `exports`: the per-process chunk cache and one shared NBD export per env;
 //! - `vm`: QEMU microvm and the agent's protocol version check; `mux` and `session`:
 //!   the guest protocol's sessions (exec, copies) over a stream;
-//! - `sandbox`: a VM on its env's export and the socket that serves exec/cp/rm;
-//! - `daemon`: the one process per node that owns every `amber create` sandbox;
+//! - `sandbox`: a VM on its env's export, and the relay of an attached client's sessions;
+//! - `service`: every sandbox of the node, limits, lifetimes, commands (`process`) and
+//!   files (`files`); `http`: the node API over it (OpenAPI); `daemon`: `amberd`, the one
+//!   process per node serving it; `client`: the Rust client of that API;
 //! - `run`: one-shot runs (`amber run`, `amber reproduce`); `receipt`: what a run
 //!   depended on.
 
+pub mod client;
 pub mod command;
 pub mod daemon;
 pub mod exports;
+pub mod files;
+pub mod http;
 pub mod image;
 pub mod initramfs;
 pub mod kernel;
 pub mod mux;
+pub mod process;
 pub mod receipt;
 pub mod run;
 pub mod sandbox;
+pub mod service;
 pub mod session;
 pub mod vm;
+
+/// The node's directory when `AMBER_HOME` is not set: `~/.cache/amber`.
+pub fn default_home() -> std::path::PathBuf {
+    if let Some(d) = std::env::var_os("AMBER_HOME") {
+        return std::path::PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/tmp"));
+    home.join(".cache/amber")
+}

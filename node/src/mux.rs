@@ -23,6 +23,8 @@ struct Inner {
     /// Frames for sessions nobody opened (the other side opened them): see `accept`.
     unrouted: Mutex<Option<mpsc::Sender<Frame>>>,
     next: AtomicU32,
+    /// True once the stream's reading side ended.
+    closed: tokio::sync::watch::Sender<bool>,
 }
 
 /// One framed stream; cheap to clone.
@@ -61,6 +63,7 @@ impl Mux {
             routes: Mutex::default(),
             unrouted: Mutex::new(Some(tx)),
             next: AtomicU32::new(1),
+            closed: tokio::sync::watch::channel(false).0,
         }));
         let inner = mux.0.clone();
         tokio::spawn(async move {
@@ -82,6 +85,7 @@ impl Mux {
             // The end of the stream ends every session.
             inner.routes.lock().unwrap().clear();
             inner.unrouted.lock().unwrap().take();
+            inner.closed.send_replace(true);
         });
         (mux, rx)
     }
@@ -90,6 +94,14 @@ impl Mux {
     /// every session it has open ends. Frames sent afterwards fail.
     pub async fn shutdown(&self) {
         let _ = self.0.writer.lock().await.shutdown().await;
+    }
+
+    /// Resolves once the other side closed the stream (or it broke).
+    pub fn closed(&self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        let mut rx = self.0.closed.subscribe();
+        Box::pin(async move {
+            let _ = rx.wait_for(|c| *c).await;
+        })
     }
 
     /// Opens a new session with a fresh id.

@@ -1,26 +1,20 @@
 //! A sandbox: one microVM booted on its env's shared, lazy, verified NBD export
-//! (`exports`). `amber run` starts one in-process for a single command; `amber create`
-//! asks the node daemon (`daemon`), which keeps it alive and serves `amber exec`,
-//! `amber cp` and `amber rm` on the sandbox's Unix socket, relaying the guest protocol's
-//! sessions between those clients and the VM.
-//!
-//! On disk, per sandbox: `<node>/sandboxes/<id>/` holding `sandbox.json` (what it runs),
-//! `api.sock`, and the VM's sockets and console. The directory exists exactly as long as
-//! the sandbox does (the daemon removes it on the way out; `amber rm` removes it when
-//! the daemon has died).
+//! (`exports`), and the relay that carries an attached client's guest-protocol sessions
+//! (`amber exec` with stdin and signals, `amber cp`) to it. `service` owns the sandboxes
+//! of a node; `run` boots one in-process for benchmarks.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use amber_converter::manifest::EnvDigest;
-use amber_guest::{Boot, ERROR, EXEC, EXIT, GET, PUT, SHUTDOWN};
+use amber_guest::{Boot, ERROR, EXEC, EXIT, GET, PUT};
 use amber_snapshotter::cache::CacheError;
 use amber_snapshotter::device::LazyDevice;
-use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
+use crate::command::ExecDefaults;
 use crate::exports::{Export, ExportError, Exports};
 use crate::mux::{Mux, SessionTx};
 use crate::receipt;
@@ -60,7 +54,13 @@ pub enum StartError {
     #[error("{0}")]
     Integrity(Arc<CacheError>),
     #[error("the VM failed to start: {0}")]
-    Vm(#[from] VmError),
+    Vm(VmError),
+}
+
+impl From<VmError> for StartError {
+    fn from(e: VmError) -> StartError {
+        StartError::Vm(e)
+    }
 }
 
 /// A running sandbox: its VM, the env export feeding it, and its work directory.
@@ -137,6 +137,11 @@ impl Sandbox {
         self.export.device.integrity_failure()
     }
 
+    /// The lazy device the VM's root reads.
+    pub fn device(&self) -> &Arc<LazyDevice> {
+        &self.export.device
+    }
+
     /// Stops the VM at once and removes the work directory.
     pub async fn stop(mut self) {
         self.vm.kill().await;
@@ -151,120 +156,17 @@ impl Sandbox {
     }
 }
 
-/// What `amber exec` needs to run a command as the image says (`docker exec` semantics).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Record {
-    pub id: String,
-    pub reference: String,
-    pub image_digest: Option<String>,
-    pub env: Vec<String>,
-    pub cwd: String,
-    pub user: String,
-    pub launch: Launch,
-}
-
-pub fn sandboxes_dir(node: &Path) -> PathBuf {
-    node.join("sandboxes")
-}
-
-/// A sandbox's directory; ids are validated so they cannot name anything else.
-pub fn sandbox_dir(node: &Path, id: &str) -> anyhow::Result<PathBuf> {
-    anyhow::ensure!(
-        !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric()),
-        "{id:?} is not a sandbox id"
-    );
-    Ok(sandboxes_dir(node).join(id))
-}
-
-pub fn read_record(node: &Path, id: &str) -> anyhow::Result<Record> {
-    let p = sandbox_dir(node, id)?.join("sandbox.json");
-    let text = std::fs::read(&p).with_context(|| format!("no sandbox {id} on this node"))?;
-    serde_json::from_slice(&text).with_context(|| format!("reading {}", p.display()))
-}
-
-/// Connects to a sandbox's API socket.
-pub async fn connect(node: &Path, id: &str) -> anyhow::Result<Mux> {
-    let sock = sandbox_dir(node, id)?.join("api.sock");
-    let s = tokio::net::UnixStream::connect(&sock)
-        .await
-        .with_context(|| format!("sandbox {id} is not running ({})", sock.display()))?;
-    Ok(Mux::new(s).0)
-}
-
-/// Boots the sandbox of `record` under `dir`, serves its API socket (`dir/api.sock`) and
-/// answers `ready` once it does; returns when `amber rm` asks or when `stop` fires.
-/// Removes `dir` on the way out.
-pub async fn serve(
-    exports: &Exports,
-    dir: &Path,
-    record: &Record,
-    ready: tokio::sync::oneshot::Sender<Result<(), String>>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let sandbox = match Sandbox::start(exports, dir.join("vm"), &record.launch).await {
-        Ok(s) => s,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(dir);
-            let _ = ready.send(Err(e.to_string()));
-            return;
-        }
-    };
-    let listener = match tokio::net::UnixListener::bind(dir.join("api.sock")) {
-        Ok(l) => l,
-        Err(e) => {
-            sandbox.stop().await;
-            let _ = std::fs::remove_dir_all(dir);
-            let _ = ready.send(Err(format!(
-                "binding {}: {e}",
-                dir.join("api.sock").display()
-            )));
-            return;
-        }
-    };
-    let _ = ready.send(Ok(()));
-    let mux = sandbox.vm.mux.clone();
-    let device = sandbox.export.device.clone();
-    let shutdown = Arc::new(tokio::sync::Notify::new());
-    // Every client connection's relay: told once the sandbox is gone, so a client waiting
-    // for the end (`amber rm`) sees its socket close after the directory went.
-    let mut relays = tokio::task::JoinSet::new();
-    let (gone_tx, gone) = tokio::sync::watch::channel(false);
-    loop {
-        tokio::select! {
-            conn = listener.accept() => match conn {
-                Ok((conn, _)) => {
-                    relays.spawn(relay(
-                        conn,
-                        mux.clone(),
-                        device.clone(),
-                        shutdown.clone(),
-                        gone.clone(),
-                    ));
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, id = %record.id, "accepting on the sandbox socket");
-                    break;
-                }
-            },
-            _ = shutdown.notified() => break,
-            _ = stop.changed() => break,
-        }
-    }
-    sandbox.shutdown().await;
-    let _ = std::fs::remove_dir_all(dir);
-    let _ = gone_tx.send(true);
-    while relays.join_next().await.is_some() {}
-}
-
-/// Relays one client's sessions to fresh VM sessions and back.
-async fn relay(
-    conn: tokio::net::UnixStream,
-    vm: Mux,
-    device: Arc<LazyDevice>,
-    shutdown: Arc<tokio::sync::Notify>,
-    mut gone: tokio::sync::watch::Receiver<bool>,
-) {
+/// Relays one client's sessions (an attached `amber exec` or `amber cp`) to fresh VM
+/// sessions and back, until the client or the VM closes its stream.
+///
+/// An `EXEC` from the client names overrides (`ExecDefaults::apply`): the sandbox's own
+/// environment, directory and user fill in the rest.
+pub async fn relay<S>(conn: S, vm: Mux, device: Arc<LazyDevice>, defaults: Arc<ExecDefaults>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+{
     let (client, mut incoming) = Mux::new(conn);
+    let mut vm_gone = vm.closed();
     let mut open: HashMap<u32, SessionTx> = HashMap::new();
     // The session forwarders end with this relay (dropping the set aborts them).
     let mut forwarders = tokio::task::JoinSet::new();
@@ -274,12 +176,9 @@ async fn relay(
                 Some(f) => f,
                 None => break,
             },
-            _ = gone.changed() => break,
+            _ = &mut vm_gone => break,
         };
         if f.session == 0 {
-            if f.kind == SHUTDOWN {
-                shutdown.notify_one();
-            }
             continue;
         }
         if matches!(f.kind, EXEC | PUT | GET) && !open.contains_key(&f.session) {
@@ -300,7 +199,14 @@ async fn relay(
             });
         }
         if let Some(tx) = open.get(&f.session) {
-            let _ = tx.send(f.kind, &f.payload).await;
+            let payload = match f.kind {
+                EXEC => match serde_json::from_slice::<amber_guest::Request>(&f.payload) {
+                    Ok(o) => serde_json::to_vec(&defaults.apply(&o)).expect("json"),
+                    Err(_) => f.payload,
+                },
+                _ => f.payload,
+            };
+            let _ = tx.send(f.kind, &payload).await;
         }
     }
     drop(forwarders);

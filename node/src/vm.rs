@@ -56,6 +56,22 @@ pub enum Root {
     RawFile(PathBuf),
 }
 
+/// QEMU's `-m` for a VM of `mib` MiB.
+///
+/// Exactly 2048 MiB gets one page more. QEMU's microvm loads the initrd so that it ends
+/// at the kernel's `initrd_addr_max` (2 GiB - 1) and keeps clear of the firmware's page
+/// at the top of low memory only when that memory is smaller than 2 GiB; at exactly
+/// 2 GiB the two share the last page and the initramfs's tail (the last kernel modules)
+/// is damaged, so the guest cannot mount its overlay. With one more page the firmware's
+/// page moves above 2 GiB; the guest sees 4 KiB more than it asked for.
+pub fn qemu_memory(mib: u32) -> String {
+    if mib == 2048 {
+        format!("{}K", 2048 * 1024 + 4)
+    } else {
+        mib.to_string()
+    }
+}
+
 impl VmSpec {
     fn args(&self, ctl: &Path, console: &Path) -> Vec<String> {
         vec![
@@ -64,7 +80,7 @@ impl VmSpec {
             "-M".into(),
             "microvm".into(),
             "-m".into(),
-            self.memory_mib.to_string(),
+            qemu_memory(self.memory_mib),
             "-smp".into(),
             self.cpus.to_string(),
             "-nodefaults".into(),
@@ -118,8 +134,27 @@ impl Vm {
     pub async fn boot(spec: &VmSpec, boot: &Boot) -> Result<Vm, VmError> {
         let ctl = spec.work.join("ctl.sock");
         let console = spec.work.join("console.log");
-        let mut qemu = tokio::process::Command::new(&spec.qemu)
-            .args(spec.args(&ctl, &console))
+        let mut cmd = tokio::process::Command::new(&spec.qemu);
+        cmd.args(spec.args(&ctl, &console));
+        // QEMU dies with the process that started it: a VM whose root disk server (this
+        // process) is gone can do nothing useful. The signal is tied to the thread that
+        // forks; VMs are started from the runtime's worker threads, which live as long as
+        // the process (never from a blocking-pool thread, which may exit while idle).
+        let parent = std::process::id() as libc::pid_t;
+        // SAFETY: prctl and getppid are async-signal-safe; nothing else runs in the child.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != parent {
+                    // The parent died before the prctl took effect.
+                    libc::_exit(1);
+                }
+                Ok(())
+            });
+        }
+        let mut qemu = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -198,6 +233,11 @@ impl Vm {
     pub async fn kill(&mut self) {
         let _ = self.qemu.start_kill();
         let _ = self.qemu.wait().await;
+    }
+
+    /// QEMU's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.qemu.id()
     }
 
     /// Waits for QEMU to exit on its own.

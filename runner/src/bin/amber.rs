@@ -1,5 +1,7 @@
 //! `amber`: run pinned environments in microVMs. Parses the command line, reads the
-//! environment, and calls amber-node; errors become one line on stderr and exit 125.
+//! environment, and calls amber-node: `run`, `create`, `exec`, `cp`, `ps`, `rm` and
+//! `reproduce` are clients of the node's `amberd` (started on demand), `daemon` is
+//! amberd itself. Errors become one line on stderr and exit 125.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -7,28 +9,17 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+use amber_api::node::{CreateSandbox, SandboxInfo};
+use amber_guest::Request;
+use amber_node::client::NodeClient;
 use amber_node::command::{request, run_argv};
-use amber_node::image::RunConfig;
-use amber_node::kernel;
-use amber_node::receipt;
-use amber_node::run::{boot_and_exec, launch, new_id, VmOptions};
-use amber_node::sandbox::{self, Launch, Record};
-use amber_node::{daemon, session};
+use amber_node::daemon::{self, DaemonArgs};
+use amber_node::run::{boot_and_exec, launch, VmOptions};
+use amber_node::{image, kernel, receipt, session};
 use amber_snapshotter::source::{RegistryClient, CREDENTIALS_ENV};
 
 /// The longest one registry request may take.
 const HTTP_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// The node's directory: `AMBER_HOME`, else `~/.cache/amber`.
-fn node_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("AMBER_HOME") {
-        return PathBuf::from(d);
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/tmp"));
-    home.join(".cache/amber")
-}
 
 #[derive(Parser)]
 #[command(name = "amber", version, about = "Run pinned environments in microVMs")]
@@ -71,9 +62,8 @@ enum Cmd {
     Ps,
     /// Boot exactly what a receipt pinned and run its command again.
     Reproduce { receipt: PathBuf },
-    /// The node daemon `amber create` starts (one per node; it exits when idle).
-    #[command(hide = true)]
-    NodeDaemon,
+    /// Run amberd, the node daemon (the CLI starts one on demand, which exits when idle).
+    Daemon(DaemonArgs),
 }
 
 /// How the VM is shaped and how its command runs (shared by `run` and `create`).
@@ -146,6 +136,15 @@ struct RunArgs {
 struct CreateArgs {
     #[command(flatten)]
     vm: VmArgs,
+    /// Seconds after which the node ends the sandbox.
+    #[arg(long)]
+    lifetime: Option<u64>,
+    /// Seconds without use after which the node ends the sandbox.
+    #[arg(long)]
+    idle_timeout: Option<u64>,
+    /// label key=value (repeatable).
+    #[arg(long = "label", short = 'l')]
+    labels: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -175,14 +174,70 @@ async fn main() -> std::process::ExitCode {
     match run(Cli::parse()).await {
         Ok(code) => std::process::ExitCode::from(code as u8),
         Err(e) => {
-            eprintln!("amber: {e:#}");
+            eprintln!("amber: {}", report(&e));
             std::process::ExitCode::from(125)
         }
     }
 }
 
+/// The error and its causes on one line, each cause once (an error that already quotes
+/// its source is not repeated).
+fn report(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let c = cause.to_string();
+        if !text.contains(&c) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&c);
+        }
+    }
+    text
+}
+
+/// `-e K=V` as given; `-e K` takes K's value from this process's environment (dropped
+/// when unset), as `docker run -e K` does.
+fn env_pairs(env: &[String]) -> Vec<String> {
+    env.iter()
+        .filter_map(|e| match e.split_once('=') {
+            Some(_) => Some(e.clone()),
+            None => std::env::var(e).ok().map(|v| format!("{e}={v}")),
+        })
+        .collect()
+}
+
+/// The node's amberd, started when none runs; refuses one that serves another registry.
+async fn node_client(registry: &RegistryClient, home: &Path) -> anyhow::Result<NodeClient> {
+    let exe = std::env::current_exe()?;
+    daemon::ensure_running(home, || {
+        let mut c = std::process::Command::new(&exe);
+        c.arg("--registry")
+            .arg(registry.base())
+            .arg("daemon")
+            .arg("--exit-when-idle")
+            .env("AMBER_HOME", home);
+        c
+    })
+    .await?;
+    let client = NodeClient::unix(&daemon::socket_path(home));
+    let info = client.node().await?;
+    anyhow::ensure!(
+        info.registry == registry.base(),
+        "this node's amberd serves registry {}, not {}; remove its sandboxes first (it exits once idle)",
+        info.registry,
+        registry.base()
+    );
+    Ok(client)
+}
+
+/// A client of the running amberd (commands on existing sandboxes start none).
+fn running_client(home: &Path) -> NodeClient {
+    NodeClient::unix(&daemon::socket_path(home))
+}
+
 async fn run(cli: Cli) -> anyhow::Result<i32> {
-    let node = node_dir();
+    let node = amber_node::default_home();
     let credentials = std::env::var(CREDENTIALS_ENV).ok();
     let registry = RegistryClient::new(&cli.registry, credentials.as_deref(), HTTP_TIMEOUT);
     match cli.command {
@@ -203,63 +258,135 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
         Cmd::Exec(a) => exec(&node, a).await,
         Cmd::Cp { src, dest } => cp(&node, &src, &dest).await,
         Cmd::Rm { ids } => {
+            let client = running_client(&node);
             for id in ids {
-                rm(&node, &id).await?;
+                client.delete(&id).await?;
                 println!("{id}");
             }
             Ok(0)
         }
         Cmd::Ps => {
-            let dir = sandbox::sandboxes_dir(&node);
-            let mut ids: Vec<String> = std::fs::read_dir(&dir)
-                .into_iter()
-                .flatten()
-                .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
-                .collect();
-            ids.sort();
-            for id in ids {
-                if let Ok(r) = sandbox::read_record(&node, &id) {
-                    println!("{id}\t{}\t{}", r.reference, r.launch.env);
-                }
+            let client = running_client(&node);
+            if client.health().await.is_err() {
+                return Ok(0); // no amberd: no sandboxes
+            }
+            for s in client.list().await? {
+                println!("{}\t{}\t{}", s.id, s.image, s.env_digest);
             }
             Ok(0)
         }
         Cmd::Reproduce { receipt } => reproduce(&node, &receipt, credentials.as_deref()).await,
-        Cmd::NodeDaemon => {
-            let served = daemon::serve(&node, &registry, || {
-                use std::io::Write;
-                let mut out = std::io::stdout();
-                let _ = out.write_all(b"ready\n").and_then(|()| out.flush());
-            })
-            .await;
-            match served {
-                Err(daemon::DaemonError::AlreadyRunning(_)) => {
-                    println!("running");
-                    Ok(0)
-                }
-                r => r.map(|()| 0).map_err(Into::into),
-            }
+        Cmd::Daemon(args) => Ok(daemon::run_daemon(&args, &node, registry).await),
+    }
+}
+
+/// The sandbox create for these flags.
+fn create_request(v: &VmArgs, image: String, hostname: Option<String>) -> CreateSandbox {
+    CreateSandbox {
+        image,
+        cpus: v.cpus,
+        memory_mib: v.memory,
+        env: Default::default(),
+        labels: Default::default(),
+        workdir: v.workdir.clone(),
+        user: v.user.clone(),
+        hostname,
+        lifetime_s: None,
+        idle_timeout_s: None,
+        idempotency_key: None,
+        wait: true,
+        kernel: None,
+        initramfs: None,
+        root_device: v.root_device,
+        prefetch: false,
+    }
+}
+
+/// Runs `req` in the sandbox through amberd, output passed through; its outcome.
+async fn exec_in(
+    client: &NodeClient,
+    id: &str,
+    req: &Request,
+    timeout: Option<Duration>,
+) -> anyhow::Result<session::Outcome> {
+    let mux = client.attach(id).await?;
+    let stdin: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = if req.stdin {
+        Some(Box::new(tokio::io::stdin()))
+    } else {
+        None
+    };
+    let exec = session::exec(
+        mux.open(),
+        req,
+        stdin,
+        tokio::io::stdout(),
+        tokio::io::stderr(),
+    );
+    let out = match timeout {
+        Some(t) => match tokio::time::timeout(t, exec).await {
+            Ok(r) => r,
+            Err(_) => Err(anyhow::anyhow!("timed out after {}s", t.as_secs())),
+        },
+        None => exec.await,
+    };
+    match out {
+        Err(e) if e.is::<session::Stopped>() => {
+            // Say why the sandbox went: the node knows (an integrity error, a dead VM).
+            let why = client
+                .get(id)
+                .await
+                .ok()
+                .and_then(|s: SandboxInfo| s.reason)
+                .unwrap_or_default();
+            Err(anyhow::anyhow!("{why}").context(e))
         }
+        r => r,
     }
 }
 
 async fn run_cmd(registry: &RegistryClient, node: &Path, a: RunArgs) -> anyhow::Result<i32> {
-    let (resolved, state, mut l) = launch(registry, node, &a.vm.options()).await?;
-    l.prefetch = a.prefetch;
-    l.root_image = a.root_image.clone();
+    let env = env_pairs(&a.vm.env);
+    let mut opts = a.vm.options();
+    opts.env = env.clone();
+    // Resolve here, so the command line, the receipt and the sandbox name one image.
+    let (resolved, state, mut l) = launch(registry, node, &opts).await?;
     let c = &resolved.config;
     let argv = run_argv(c, &a.command)
         .context("no command given and the image has no Entrypoint or Cmd")?;
     let req = request(
         c,
         argv,
-        &a.vm.env,
+        &env,
         a.vm.workdir.as_deref(),
         a.vm.user.as_deref(),
         &l.boot.hostname,
         a.interactive,
     );
-    let out = boot_and_exec(node, registry, &l, &req, a.timeout.map(Duration::from_secs)).await?;
+    let timeout = a.timeout.map(Duration::from_secs);
+    let out = if a.root_image.is_some() {
+        // Benchmarks: boot a local raw image in this process, beside no daemon.
+        l.root_image = a.root_image.clone();
+        l.prefetch = a.prefetch;
+        boot_and_exec(node, registry, &l, &req, timeout).await?
+    } else {
+        let client = node_client(registry, node).await?;
+        // Boot the image just resolved, whatever its tag names by now.
+        let pinned = match &resolved.image_digest {
+            Some(d) => image::pinned(&a.vm.reference, d),
+            None => resolved.env.to_string(),
+        };
+        let mut c = create_request(&a.vm, pinned, a.vm.hostname.clone());
+        c.prefetch = a.prefetch;
+        // A run whose client died leaves nothing for long: once no client is attached,
+        // the node ends it after this.
+        c.idle_timeout_s = Some(60);
+        c.kernel = Some(state.kernel.clone());
+        c.initramfs = Some(state.initramfs.clone());
+        let s = client.create(&c).await?;
+        let out = exec_in(&client, &s.id, &req, timeout).await;
+        let _ = client.delete(&s.id).await;
+        out?
+    };
     if let Some(path) = &a.receipt {
         let r = receipt::Receipt {
             version: receipt::RECEIPT_VERSION,
@@ -300,17 +427,23 @@ async fn reproduce(node: &Path, path: &Path, credentials: Option<&str>) -> anyho
         "the receipt's command read stdin, which a receipt does not record"
     );
     let registry = RegistryClient::new(&r.registry, credentials, HTTP_TIMEOUT);
-    let l = Launch {
-        registry: r.registry.clone(),
-        env: r.env_digest.parse()?,
-        kernel: kernel::boot_file(node, &registry, &r.kernel, "kernel").await?,
-        initramfs: kernel::boot_file(node, &registry, &r.initramfs, "initramfs").await?,
-        shape: r.vm.clone(),
-        boot: r.boot.clone(),
-        prefetch: false,
-        root_image: None,
+    let client = node_client(&registry, node).await?;
+    let c = CreateSandbox {
+        image: r.env_digest.clone(),
+        cpus: r.vm.cpus,
+        memory_mib: r.vm.memory_mib,
+        hostname: Some(r.boot.hostname.clone()),
+        root_device: r.boot.root_device,
+        kernel: Some(r.kernel.clone()),
+        initramfs: Some(r.initramfs.clone()),
+        idle_timeout_s: Some(60),
+        wait: true,
+        ..CreateSandbox::default()
     };
-    let out = boot_and_exec(node, &registry, &l, &r.request, None).await?;
+    let s = client.create(&c).await?;
+    let out = exec_in(&client, &s.id, &r.request, None).await;
+    let _ = client.delete(&s.id).await;
+    let out = out?;
     let same = out.status == r.exit_status && out.stdout == r.stdout && out.stderr == r.stderr;
     if same {
         eprintln!(
@@ -328,101 +461,58 @@ async fn reproduce(node: &Path, path: &Path, credentials: Option<&str>) -> anyho
 }
 
 async fn create(registry: &RegistryClient, node: &Path, a: CreateArgs) -> anyhow::Result<i32> {
-    let (resolved, _, l) = launch(registry, node, &a.vm.options()).await?;
-    let id = new_id()?;
-    let dir = sandbox::sandbox_dir(node, &id)?;
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let base = request(
-        &resolved.config,
-        Vec::new(),
-        &a.vm.env,
-        a.vm.workdir.as_deref(),
-        a.vm.user.as_deref(),
-        &l.boot.hostname,
-        false,
-    );
-    let record = Record {
-        id: id.clone(),
-        reference: a.vm.reference.clone(),
-        image_digest: resolved.image_digest.clone(),
-        env: base.env,
-        cwd: base.cwd,
-        user: base.user,
-        launch: l,
-    };
-    std::fs::write(
-        dir.join("sandbox.json"),
-        serde_json::to_vec_pretty(&record)?,
-    )?;
-    let exe = std::env::current_exe()?;
-    let started = daemon::create(node, &record, || {
-        let mut c = std::process::Command::new(&exe);
-        c.arg("--registry")
-            .arg(registry.base())
-            .arg("node-daemon")
-            .env("AMBER_HOME", node);
-        c
-    })
-    .await;
-    if let Err(e) = started {
-        let _ = std::fs::remove_dir_all(&dir);
-        return Err(e.into());
+    let client = node_client(registry, node).await?;
+    let mut c = create_request(&a.vm, a.vm.reference.clone(), a.vm.hostname.clone());
+    for e in env_pairs(&a.vm.env) {
+        let (k, v) = e.split_once('=').expect("K=V");
+        c.env.insert(k.to_string(), v.to_string());
     }
-    println!("{id}");
+    for l in &a.labels {
+        let (k, v) = l
+            .split_once('=')
+            .with_context(|| format!("label {l:?} is not key=value"))?;
+        c.labels.insert(k.to_string(), v.to_string());
+    }
+    c.lifetime_s = a.lifetime;
+    c.idle_timeout_s = a.idle_timeout;
+    let s = client.create(&c).await?;
+    println!("{}", s.id);
     Ok(0)
 }
 
 async fn exec(node: &Path, a: ExecArgs) -> anyhow::Result<i32> {
-    let r = sandbox::read_record(node, &a.id)?;
-    let base = RunConfig {
-        env: r.env.clone(),
-        working_dir: r.cwd.clone(),
-        user: r.user.clone(),
-        ..RunConfig::default()
+    let client = running_client(node);
+    // Overrides only: the node fills in the sandbox's environment, directory and user.
+    let req = Request {
+        argv: a.command.clone(),
+        env: env_pairs(&a.env),
+        cwd: a.workdir.clone().unwrap_or_default(),
+        user: a.user.clone().unwrap_or_default(),
+        stdin: a.interactive,
     };
-    let req = request(
-        &base,
-        a.command.clone(),
-        &a.env,
-        a.workdir.as_deref(),
-        a.user.as_deref(),
-        &r.launch.boot.hostname,
-        a.interactive,
-    );
-    let mux = sandbox::connect(node, &a.id).await?;
-    let stdin: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>> = if a.interactive {
-        Some(Box::new(tokio::io::stdin()))
-    } else {
-        None
-    };
-    let out = session::exec(
-        mux.open(),
-        &req,
-        stdin,
-        tokio::io::stdout(),
-        tokio::io::stderr(),
-    )
-    .await?;
+    let out = exec_in(&client, &a.id, &req, None).await?;
     Ok(out.status)
 }
 
 /// `ID:PATH` -> (id, path) when the id names a sandbox on this node.
-fn sandbox_path<'a>(node: &Path, s: &'a str) -> Option<(&'a str, &'a str)> {
+async fn sandbox_path<'a>(client: &NodeClient, s: &'a str) -> Option<(&'a str, &'a str)> {
     let (id, path) = s.split_once(':')?;
-    sandbox::sandbox_dir(node, id)
-        .ok()?
-        .exists()
-        .then_some((id, path))
+    client.get(id).await.ok()?;
+    Some((id, path))
 }
 
 async fn cp(node: &Path, src: &str, dest: &str) -> anyhow::Result<i32> {
-    match (sandbox_path(node, src), sandbox_path(node, dest)) {
+    let client = running_client(node);
+    match (
+        sandbox_path(&client, src).await,
+        sandbox_path(&client, dest).await,
+    ) {
         (None, Some((id, path))) => {
-            let mux = sandbox::connect(node, id).await?;
+            let mux = client.attach(id).await?;
             session::put(mux.open(), Path::new(src), path).await?;
         }
         (Some((id, path)), None) => {
-            let mux = sandbox::connect(node, id).await?;
+            let mux = client.attach(id).await?;
             session::get(mux.open(), path, Path::new(dest)).await?;
         }
         (Some(_), Some(_)) => anyhow::bail!("copying between two sandboxes is not supported"),
@@ -431,22 +521,4 @@ async fn cp(node: &Path, src: &str, dest: &str) -> anyhow::Result<i32> {
         }
     }
     Ok(0)
-}
-
-async fn rm(node: &Path, id: &str) -> anyhow::Result<()> {
-    let dir = sandbox::sandbox_dir(node, id)?;
-    anyhow::ensure!(dir.exists(), "no sandbox {id} on this node");
-    match sandbox::connect(node, id).await {
-        Ok(mux) => {
-            let mut control = mux.session(0);
-            mux.send(amber_guest::SHUTDOWN, 0, &[]).await?;
-            // The daemon closes the socket when it exits, after removing the directory.
-            while control.recv().await.is_some() {}
-        }
-        Err(_) => {
-            // The daemon is gone (killed, or the node restarted): only the record is left.
-            let _ = std::fs::remove_dir_all(&dir);
-        }
-    }
-    Ok(())
 }

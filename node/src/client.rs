@@ -1,0 +1,139 @@
+//! A Rust client of the node API (`amber_api::node`), over amberd's Unix socket: what the
+//! `amber` CLI and the tests call. `attach` upgrades a connection to the guest protocol's
+//! frames, so `session::exec`, `put` and `get` drive a sandbox through amberd exactly as
+//! they drive a VM's control port.
+
+use std::path::Path;
+
+use amber_api::node::{
+    ApiError, CreateSandbox, ErrorBody, ErrorKind, Health, NodeInfo, SandboxInfo, SandboxList,
+};
+use serde::de::DeserializeOwned;
+
+use crate::http::ATTACH_PROTOCOL;
+use crate::mux::Mux;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("amberd does not answer on {socket}: {error}")]
+    Unreachable { socket: String, error: String },
+    #[error("{}", .0.message)]
+    Api(ApiError),
+    #[error("amberd answered {what}: {why}")]
+    Protocol { what: String, why: String },
+}
+
+impl ClientError {
+    pub fn kind(&self) -> Option<ErrorKind> {
+        match self {
+            ClientError::Api(e) => Some(e.kind),
+            _ => None,
+        }
+    }
+}
+
+pub struct NodeClient {
+    http: reqwest::Client,
+    socket: String,
+}
+
+const BASE: &str = "http://amberd";
+
+impl NodeClient {
+    /// A client of the amberd listening on `socket`.
+    pub fn unix(socket: &Path) -> NodeClient {
+        NodeClient {
+            http: reqwest::Client::builder()
+                .unix_socket(socket)
+                .build()
+                .expect("a client over a Unix socket"),
+            socket: socket.display().to_string(),
+        }
+    }
+
+    fn url(path: &str) -> String {
+        format!("{BASE}{path}")
+    }
+
+    async fn send(&self, req: reqwest::RequestBuilder) -> Result<reqwest::Response, ClientError> {
+        let r = req.send().await.map_err(|e| ClientError::Unreachable {
+            socket: self.socket.clone(),
+            error: e.to_string(),
+        })?;
+        if r.status().is_success() || r.status().as_u16() == 101 {
+            return Ok(r);
+        }
+        let status = r.status();
+        let body = r.bytes().await.unwrap_or_default();
+        match serde_json::from_slice::<ErrorBody>(&body) {
+            Ok(e) => Err(ClientError::Api(e.error)),
+            Err(_) => Err(ClientError::Protocol {
+                what: format!("HTTP {status}"),
+                why: String::from_utf8_lossy(&body).into_owned(),
+            }),
+        }
+    }
+
+    async fn read<T: DeserializeOwned>(r: reqwest::Response) -> Result<T, ClientError> {
+        let url = r.url().path().to_string();
+        let body = r.bytes().await.map_err(|e| ClientError::Protocol {
+            what: url.clone(),
+            why: e.to_string(),
+        })?;
+        serde_json::from_slice(&body).map_err(|e| ClientError::Protocol {
+            what: url,
+            why: e.to_string(),
+        })
+    }
+
+    pub async fn health(&self) -> Result<Health, ClientError> {
+        Self::read(self.send(self.http.get(Self::url("/v1/health"))).await?).await
+    }
+
+    pub async fn node(&self) -> Result<NodeInfo, ClientError> {
+        Self::read(self.send(self.http.get(Self::url("/v1/node"))).await?).await
+    }
+
+    pub async fn create(&self, c: &CreateSandbox) -> Result<SandboxInfo, ClientError> {
+        let r = self
+            .send(self.http.post(Self::url("/v1/sandboxes")).json(c))
+            .await?;
+        Self::read(r).await
+    }
+
+    pub async fn get(&self, id: &str) -> Result<SandboxInfo, ClientError> {
+        let r = self
+            .send(self.http.get(Self::url(&format!("/v1/sandboxes/{id}"))))
+            .await?;
+        Self::read(r).await
+    }
+
+    pub async fn list(&self) -> Result<Vec<SandboxInfo>, ClientError> {
+        let r = self.send(self.http.get(Self::url("/v1/sandboxes"))).await?;
+        Ok(Self::read::<SandboxList>(r).await?.sandboxes)
+    }
+
+    pub async fn delete(&self, id: &str) -> Result<SandboxInfo, ClientError> {
+        let r = self
+            .send(self.http.delete(Self::url(&format!("/v1/sandboxes/{id}"))))
+            .await?;
+        Self::read(r).await
+    }
+
+    /// A connection to the sandbox carrying the guest protocol's frames.
+    pub async fn attach(&self, id: &str) -> Result<Mux, ClientError> {
+        let r = self
+            .send(
+                self.http
+                    .get(Self::url(&format!("/v1/sandboxes/{id}/attach")))
+                    .header(reqwest::header::CONNECTION, "upgrade")
+                    .header(reqwest::header::UPGRADE, ATTACH_PROTOCOL),
+            )
+            .await?;
+        let upgraded = r.upgrade().await.map_err(|e| ClientError::Protocol {
+            what: "the attach upgrade".into(),
+            why: e.to_string(),
+        })?;
+        Ok(Mux::new(upgraded).0)
+    }
+}
