@@ -63,8 +63,11 @@ pub struct Exports {
     cache: Arc<ChunkCache>,
     live: tokio::sync::Mutex<HashMap<EnvDigest, Weak<Export>>>,
     envs_dir: PathBuf,
-    known: std::sync::Mutex<HashMap<EnvDigest, Arc<Vec<(ChunkId, u64)>>>>,
+    known: std::sync::Mutex<HashMap<EnvDigest, Arc<EnvChunks>>>,
 }
+
+/// An env's distinct chunks and their sizes.
+type EnvChunks = Vec<(ChunkId, u64)>;
 
 /// An env's distinct chunks and their sizes.
 fn chunks_of(m: &BlockManifest) -> Vec<(ChunkId, u64)> {

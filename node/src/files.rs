@@ -228,10 +228,9 @@ fn data_stream(
                     }
                     ERROR => agent_error = Some(String::from_utf8_lossy(&f.payload).into_owned()),
                     EXIT => {
-                        return match agent_error.take() {
-                            Some(e) => Some((Err(FileError::Bad(e)), (s, None, path, None, true))),
-                            None => None,
-                        }
+                        return agent_error
+                            .take()
+                            .map(|e| (Err(FileError::Bad(e)), (s, None, path, None, true)))
                     }
                     _ => {}
                 }

@@ -650,7 +650,7 @@ async fn get_file(
 }
 
 #[utoipa::path(put, path = "/v1/sandboxes/{id}/archive", params(("id" = String, Path), PathQuery),
-    request_body(content = Vec<u8>, content_type = "application/x-tar", description = "A tar stream, unpacked into `path`"),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "A tar stream, unpacked into `path`"),
     responses((status = 204, description = "Unpacked"), (status = 400, body = ErrorBody),
         (status = 404, body = ErrorBody), (status = 409, body = ErrorBody)),
     security((), ("bearer" = [])))]

@@ -63,6 +63,7 @@ impl Process {
     /// Starts `req` in a new session of `mux` and records its output. `stdin` is written
     /// and closed; `timeout` kills the command's process group. A chunk of the env that
     /// failed verification while it ran ends it with an integrity error.
+    #[allow(clippy::too_many_arguments)]
     pub fn spawn(
         id: u32,
         mux: &Mux,

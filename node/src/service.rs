@@ -68,7 +68,7 @@ impl Limits {
         Limits {
             sandboxes: 256,
             cpus: cpus * 4,
-            memory_mib: (pages * page >> 20) * 2,
+            memory_mib: ((pages * page) >> 20) * 2,
         }
     }
 }
