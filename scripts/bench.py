@@ -5,6 +5,8 @@ Benchmarks so far:
   registry  push and pull of one image set with skopeo, amber-registry vs CNCF
             distribution 2.8 (Debian's docker-registry); wall time and the server's
             peak resident memory (VmHWM), each run on a fresh data directory.
+  node      (bench_node.py) idle density, exec round trip and a rollout loop through
+            amberd's node API, against the Docker engine on the same image.
 """
 import argparse
 import datetime
@@ -928,7 +930,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small image set, 3 runs")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus"], help="run one benchmark")
+    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus", "node"], help="run one benchmark")
     ap.add_argument("--corpus", type=int, help="task images in the corpus (default 200; 20 with --quick)")
     a = ap.parse_args()
     work = os.path.join(RUN, "bench")
@@ -968,6 +970,10 @@ def main():
         count = a.corpus or (20 if a.quick else 200)
         print(f"storage: a corpus of {count} task images, distribution and amber", flush=True)
         sections.append(corpus_section(bench_corpus(work, count)))
+    if a.only in (None, "node"):
+        import bench_node
+        print("node: density, exec round trip and rollouts, amber and the Docker engine", flush=True)
+        sections.append(bench_node.node_section(bench_node.bench_node(work, Server, a.quick)))
     command = "scripts/bench" + (" --quick" if a.quick else "")
     out = os.path.join(ROOT, "BENCHMARKS.md") if not (a.quick or a.only) else os.path.join(work, "BENCHMARKS.partial.md")
     write_report(out, sections, command)

@@ -79,6 +79,10 @@ pub struct CreateSandbox {
     pub kernel: Option<String>,
     #[serde(default)]
     pub initramfs: Option<String>,
+    /// `kvm` or `tcg` (the node's probe result when unset). With `kernel` and
+    /// `initramfs` as well, the node needs no `amber setup` of its own.
+    #[serde(default)]
+    pub accel: Option<String>,
     /// Also expose the read-only root device as /dev/vda inside.
     #[serde(default)]
     pub root_device: bool,

@@ -39,13 +39,18 @@ pub enum LaunchError {
     Image(#[from] image::ImageError),
 }
 
-/// Resolves the reference and the node's boot files into a launch.
+/// Resolves the reference and the node's boot files into a launch: those `amber setup`
+/// chose, or exactly `pins` (a receipt's), which need no set-up node.
 pub async fn launch(
     registry: &RegistryClient,
     node: &Path,
     a: &VmOptions,
+    pins: Option<NodeState>,
 ) -> Result<(image::Resolved, NodeState, Launch), LaunchError> {
-    let state = kernel::read_node(node)?;
+    let state = match pins {
+        Some(p) => p,
+        None => kernel::read_node(node)?,
+    };
     let resolved = image::resolve(registry, &a.reference, Duration::from_secs(600)).await?;
     let hostname = a
         .hostname

@@ -286,9 +286,9 @@ impl Node {
         self.registry.base()
     }
 
-    /// Sandboxes creating or running.
+    /// Sandboxes creating or running, counting creates still resolving their image.
     pub fn live_count(&self) -> usize {
-        self.inner.lock().unwrap().live.len()
+        self.inner.lock().unwrap().used.0 as usize
     }
 
     /// Stops every VM a dead `amberd` left under this home and records its sandboxes as
@@ -354,6 +354,11 @@ impl Node {
         }
         if c.env.values().any(|v| v.contains('\0')) {
             return Err(bad("an env value holds a NUL byte"));
+        }
+        if let Some(a) = &c.accel {
+            if a != "kvm" && a != "tcg" {
+                return Err(bad(format!("accel must be kvm or tcg, not {a:?}")));
+            }
         }
         if let Some(h) = &c.hostname {
             if h.is_empty()
@@ -471,21 +476,36 @@ impl Node {
             accel: "auto".into(),
             root_device: c.root_device,
         };
-        let (resolved, state, mut launch) = run::launch(&self.registry, &self.home, &opts).await?;
+        let node_state = match (&c.kernel, &c.initramfs) {
+            (Some(k), Some(i)) => kernel::NodeState {
+                kernel_release: String::new(),
+                kernel: k.clone(),
+                initramfs: i.clone(),
+                accel: match &c.accel {
+                    Some(a) => a.clone(),
+                    None => kernel::read_node(&self.home)
+                        .map(|s| s.accel)
+                        .unwrap_or_else(|_| "tcg".into()),
+                },
+            },
+            _ => {
+                let mut s = kernel::read_node(&self.home).map_err(LaunchError::from)?;
+                if let Some(k) = &c.kernel {
+                    s.kernel = k.clone();
+                }
+                if let Some(i) = &c.initramfs {
+                    s.initramfs = i.clone();
+                }
+                if let Some(a) = &c.accel {
+                    s.accel = a.clone();
+                }
+                s
+            }
+        };
+        let (resolved, state, mut launch) =
+            run::launch(&self.registry, &self.home, &opts, Some(node_state)).await?;
         launch.prefetch = c.prefetch;
-        let (mut kernel_digest, mut initramfs_digest) = (state.kernel, state.initramfs);
-        if let Some(k) = &c.kernel {
-            launch.kernel = kernel::boot_file(&self.home, &self.registry, k, "kernel")
-                .await
-                .map_err(LaunchError::from)?;
-            kernel_digest = k.clone();
-        }
-        if let Some(i) = &c.initramfs {
-            launch.initramfs = kernel::boot_file(&self.home, &self.registry, i, "initramfs")
-                .await
-                .map_err(LaunchError::from)?;
-            initramfs_digest = i.clone();
-        }
+        let (kernel_digest, initramfs_digest) = (state.kernel, state.initramfs);
         let base = request(
             &resolved.config,
             Vec::new(),
@@ -797,8 +817,8 @@ impl Node {
 
     /// The node's capacity, what is used, and what its cache holds (of `image` too).
     pub async fn info(&self, image: Option<&str>) -> Result<NodeInfo, NodeError> {
-        let state =
-            kernel::read_node(&self.home).map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        // A node that was never set up still serves sandboxes whose boot files are pinned.
+        let accel = kernel::read_node(&self.home).map_or_else(|_| "not set up".into(), |s| s.accel);
         let (n, cpus, mem) = self.inner.lock().unwrap().used;
         let l = &self.limits;
         let image = match image {
@@ -820,7 +840,7 @@ impl Node {
             version: env!("CARGO_PKG_VERSION").into(),
             api: "v1".into(),
             registry: self.registry.base().to_string(),
-            accel: state.accel,
+            accel,
             capacity: Resources {
                 sandboxes: l.sandboxes,
                 cpus: l.cpus,

@@ -297,6 +297,7 @@ fn create_request(v: &VmArgs, image: String, hostname: Option<String>) -> Create
         wait: true,
         kernel: None,
         initramfs: None,
+        accel: None,
         root_device: v.root_device,
         prefetch: false,
     }
@@ -349,7 +350,7 @@ async fn run_cmd(registry: &RegistryClient, node: &Path, a: RunArgs) -> anyhow::
     let mut opts = a.vm.options();
     opts.env = env.clone();
     // Resolve here, so the command line, the receipt and the sandbox name one image.
-    let (resolved, state, mut l) = launch(registry, node, &opts).await?;
+    let (resolved, state, mut l) = launch(registry, node, &opts, None).await?;
     let c = &resolved.config;
     let argv = run_argv(c, &a.command)
         .context("no command given and the image has no Entrypoint or Cmd")?;
@@ -436,6 +437,7 @@ async fn reproduce(node: &Path, path: &Path, credentials: Option<&str>) -> anyho
         root_device: r.boot.root_device,
         kernel: Some(r.kernel.clone()),
         initramfs: Some(r.initramfs.clone()),
+        accel: Some(r.vm.accel.clone()),
         idle_timeout_s: Some(60),
         wait: true,
         ..CreateSandbox::default()
