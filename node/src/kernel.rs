@@ -34,6 +34,11 @@ use amber_oci::media::{
     OCI_MANIFEST as MANIFEST_TYPE,
 };
 
+/// The version of `MODULES`: part of the registry's kernel artifact tag, so a registry
+/// holding an older module set is given a new artifact instead of failing a setup (set 1,
+/// tagged `kernel-<release>`, had no virtio_balloon).
+pub const MODULE_SET: u32 = 2;
+
 /// Modules the guest needs, in load order (paths under lib/modules/<release>/kernel/).
 pub const MODULES: &[&str] = &[
     "drivers/virtio/virtio_ring.ko",
@@ -41,6 +46,8 @@ pub const MODULES: &[&str] = &[
     "drivers/virtio/virtio_mmio.ko",
     "drivers/block/virtio_blk.ko",
     "drivers/char/virtio_console.ko",
+    // Free page reporting: the guest hands memory it freed back to the host.
+    "drivers/virtio/virtio_balloon.ko",
     "lib/libcrc32c.ko",
     "fs/erofs/erofs.ko",
     "fs/overlayfs/overlay.ko",
@@ -331,7 +338,7 @@ pub async fn setup(
     guest: &[u8],
 ) -> anyhow::Result<NodeState> {
     let repo = GuestRepo::new(registry);
-    let kernel_tag = format!("kernel-{KERNEL_RELEASE}");
+    let kernel_tag = format!("kernel-{KERNEL_RELEASE}-m{MODULE_SET}");
     let from_registry = match repo.artifact(&kernel_tag).await? {
         Some(layers) => {
             let find = |title: &str| {
