@@ -230,7 +230,7 @@ pub struct DaemonArgs {
     /// The most sandboxes at once (default 256).
     #[arg(long)]
     pub max_sandboxes: Option<u32>,
-    /// The most vCPUs given out at once (default 4 per host CPU).
+    /// The most vCPUs given out at once (default 32 per host CPU).
     #[arg(long)]
     pub max_cpus: Option<u32>,
     /// The most guest memory given out at once, MiB (default twice the host's).

@@ -57,8 +57,9 @@ pub struct Limits {
 }
 
 impl Limits {
-    /// Defaults for this machine: 4 vCPUs per host CPU, and twice its memory (a guest
-    /// touches only what it uses; idle sandboxes cost far less than their size).
+    /// Defaults for this machine: 32 vCPUs per host CPU (vCPUs are time-shared, and the
+    /// sandboxes of a training loop mostly wait on the trainer), and twice its memory (a
+    /// guest touches only what it uses; idle sandboxes cost far less than their size).
     pub fn for_host() -> Limits {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
         // SAFETY: sysconf has no preconditions.
@@ -67,7 +68,7 @@ impl Limits {
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(0) as u64;
         Limits {
             sandboxes: 256,
-            cpus: cpus * 4,
+            cpus: cpus * 32,
             memory_mib: ((pages * page) >> 20) * 2,
         }
     }
