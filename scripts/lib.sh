@@ -16,10 +16,11 @@ DEB_PACKAGES=(
 )
 # PyPI packages the tests need (moto: an S3-compatible server; 5.2.2+ answers
 # CompleteMultipartUpload with the element name the AWS SDKs expect).
-# httpx, pytest, pytest-asyncio: the Python client and its tests; schemathesis: the
+# httpx, pytest, pytest-asyncio, wheel: the Python client, its tests and its install
+# (without build isolation: nothing fetched at test time); schemathesis: the
 # property-based tester of amberd's OpenAPI document (hypothesis pinned: newer ones break
 # schemathesis 3.39).
-PIP_PACKAGES=(oras==0.2.43 "moto[server]==5.2.5" httpx==0.28.1 pytest==8.3.5 pytest-asyncio==0.25.3 schemathesis==3.39.16 hypothesis==6.115.0)
+PIP_PACKAGES=(oras==0.2.43 "moto[server]==5.2.5" httpx==0.28.1 pytest==8.3.5 pytest-asyncio==0.25.3 schemathesis==3.39.16 hypothesis==6.115.0 wheel==0.45.1)
 # crates.io binaries the tests need: s3s-fs, an S3-compatible server with data on disk
 # and real signature checks.
 S3S_FS_VERSION=0.14.1
