@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
 
 use amber_api::node::CachedEnv;
-use amber_converter::manifest::{BlockManifest, EnvDigest};
+use amber_converter::manifest::{BlockManifest, EnvDigest, ManifestEnvelope};
 use amber_oci::env::ChunkId;
 use amber_snapshotter::cache::{CacheError, ChunkCache};
 use amber_snapshotter::device::LazyDevice;
@@ -133,17 +133,20 @@ impl Exports {
         self.known.lock().unwrap().insert(*env, Arc::new(chunks));
     }
 
+    /// `env`'s manifest from the registry; `EnvNotFound` when it has none.
+    async fn manifest(&self, env: &EnvDigest) -> Result<ManifestEnvelope, ExportError> {
+        match self.source.manifest(env).await {
+            Err(SourceError::NotFound(_)) => Err(ExportError::EnvNotFound {
+                env: *env,
+                registry: self.registry.clone(),
+            }),
+            r => Ok(r?),
+        }
+    }
+
     /// Fetches `env`'s manifest to know its size, without serving it.
     pub async fn learn(&self, env: &EnvDigest) -> Result<(), ExportError> {
-        let envelope = match self.source.manifest(env).await {
-            Err(SourceError::NotFound(_)) => {
-                return Err(ExportError::EnvNotFound {
-                    env: *env,
-                    registry: self.registry.clone(),
-                })
-            }
-            r => r?,
-        };
+        let envelope = self.manifest(env).await?;
         self.remember(env, &envelope.manifest);
         Ok(())
     }
@@ -182,15 +185,7 @@ impl Exports {
             return Ok(e);
         }
         live.retain(|_, w| w.strong_count() > 0);
-        let envelope = match self.source.manifest(env).await {
-            Err(SourceError::NotFound(_)) => {
-                return Err(ExportError::EnvNotFound {
-                    env: *env,
-                    registry: self.registry.clone(),
-                })
-            }
-            r => r?,
-        };
+        let envelope = self.manifest(env).await?;
         self.remember(env, &envelope.manifest);
         let device = Arc::new(LazyDevice::new(envelope.manifest, self.cache.clone()));
         let socket = self

@@ -416,7 +416,7 @@ fn frames(p: Arc<Process>, from: u64, activity: Option<Activity>) -> Body {
                 return None;
             }
             loop {
-                let (frames, _) = p.frames_from(next);
+                let (frames, ended) = p.frames_from(next);
                 if !frames.is_empty() {
                     let mut text = Vec::new();
                     let mut last = next;
@@ -430,7 +430,7 @@ fn frames(p: Arc<Process>, from: u64, activity: Option<Activity>) -> Body {
                     let chunk: Result<Bytes, Infallible> = Ok(Bytes::from(text));
                     return Some((chunk, (p, last, end, activity)));
                 }
-                if p.frames_from(0).1 && p.info().next_seq <= next {
+                if ended {
                     return None;
                 }
                 p.wait_past(next).await;

@@ -46,3 +46,14 @@ pub fn default_home() -> std::path::PathBuf {
         .unwrap_or_else(|| std::path::PathBuf::from("/tmp"));
     home.join(".cache/amber")
 }
+
+/// Logs to stderr at the level `AMBER_LOG` sets (default `warn`), for amber's binaries.
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("AMBER_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+}

@@ -112,25 +112,6 @@ impl NodeError {
             NodeError::Internal(_) => ErrorKind::Internal,
         }
     }
-
-    pub fn from_kind(kind: ErrorKind, message: String) -> NodeError {
-        match kind {
-            ErrorKind::BadRequest | ErrorKind::Unauthorized | ErrorKind::Timeout => {
-                NodeError::BadRequest(message)
-            }
-            ErrorKind::NotFound => NodeError::NotFound(message),
-            ErrorKind::ImageNotFound => NodeError::ImageNotFound(message),
-            ErrorKind::NotRunning => NodeError::NotRunning {
-                id: String::new(),
-                status: "stopped",
-                reason: message,
-            },
-            ErrorKind::Capacity => NodeError::Capacity(message),
-            ErrorKind::Integrity => NodeError::Integrity(message),
-            ErrorKind::Unavailable => NodeError::Unavailable(message),
-            ErrorKind::Internal => NodeError::Internal(message),
-        }
-    }
 }
 
 impl From<LaunchError> for NodeError {
@@ -281,10 +262,6 @@ impl Node {
             inner: Mutex::new(Inner::default()),
             changed: tokio::sync::Notify::new(),
         }
-    }
-
-    pub fn registry(&self) -> &str {
-        self.registry.base()
     }
 
     /// Sandboxes creating or running, counting creates still resolving their image.

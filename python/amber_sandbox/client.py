@@ -134,9 +134,10 @@ class AsyncNode:
         r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body)
         return ExecResult.parse(r.json())
 
-    async def exec_stream(self, sandbox_id: str, body: Mapping[str, Any]) -> AsyncIterator[ExecFrame]:
+    async def _frames(self, method: str, path: str, **kw) -> AsyncIterator[ExecFrame]:
+        """Newline-delimited frames of a streamed answer, as they arrive."""
         try:
-            async with self._http.stream("POST", f"/v1/sandboxes/{sandbox_id}/exec/stream", json=body) as r:
+            async with self._http.stream(method, path, **kw) as r:
                 if not r.is_success:
                     await r.aread()
                     _raise_for(r)
@@ -146,6 +147,9 @@ class AsyncNode:
         except httpx.ConnectError as e:
             raise NodeUnreachable(f"amberd at {self.address.url} does not answer: {e}") from e
 
+    def exec_stream(self, sandbox_id: str, body: Mapping[str, Any]) -> AsyncIterator[ExecFrame]:
+        return self._frames("POST", f"/v1/sandboxes/{sandbox_id}/exec/stream", json=body)
+
     async def start_process(self, sandbox_id: str, body: Mapping[str, Any]) -> ProcessInfo:
         r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/processes", json=body)
         return ProcessInfo.parse(r.json())
@@ -154,15 +158,9 @@ class AsyncNode:
         r = await self._request("GET", f"/v1/sandboxes/{sandbox_id}/processes/{pid}")
         return ProcessInfo.parse(r.json())
 
-    async def output(self, sandbox_id: str, pid: int, from_seq: int = 0) -> AsyncIterator[ExecFrame]:
+    def output(self, sandbox_id: str, pid: int, from_seq: int = 0) -> AsyncIterator[ExecFrame]:
         path = f"/v1/sandboxes/{sandbox_id}/processes/{pid}/output"
-        async with self._http.stream("GET", path, params={"from": from_seq}) as r:
-            if not r.is_success:
-                await r.aread()
-                _raise_for(r)
-            async for line in r.aiter_lines():
-                if line:
-                    yield ExecFrame.parse(json.loads(line))
+        return self._frames("GET", path, params={"from": from_seq})
 
     async def signal(self, sandbox_id: str, pid: int, signal: str | int) -> ProcessInfo:
         r = await self._request(

@@ -24,13 +24,7 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("AMBER_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .init();
+    amber_node::init_logging();
     let cli = Cli::parse();
     let home = cli.home.unwrap_or_else(amber_node::default_home);
     let credentials = std::env::var(CREDENTIALS_ENV).ok();

@@ -164,13 +164,7 @@ struct ExecArgs {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("AMBER_LOG")
-                .unwrap_or_else(|_| "warn".into()),
-        )
-        .init();
+    amber_node::init_logging();
     match run(Cli::parse()).await {
         Ok(code) => std::process::ExitCode::from(code as u8),
         Err(e) => {
