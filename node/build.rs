@@ -35,7 +35,15 @@ fn main() {
         ])
         .args(["--bin", "amber-guest", "--target-dir"])
         .arg(&target)
-        .args(["--", "-C", "target-feature=+crt-static"]);
+        // The agent lives in every guest's memory (the initramfs is never freed): no
+        // debug info (7.7 MiB with it, 2 MiB without; symbols stay for backtraces).
+        .args([
+            "--",
+            "-C",
+            "target-feature=+crt-static",
+            "-C",
+            "strip=debuginfo",
+        ]);
     // The outer build's settings are not the agent's: its own target dir, no wrappers
     // (clippy), no flags meant for the outer crates.
     for (k, _) in std::env::vars_os() {

@@ -95,6 +95,13 @@ pub struct Boot {
     /// checking it bit for bit. Off by default: `docker run` has no such node.
     #[serde(default)]
     pub root_device: bool,
+    /// The smallest block of free guest memory (as a page order) the guest hands back to
+    /// the host through the balloon's free page reporting; `None` keeps the kernel's
+    /// default (order 9, 2 MiB, the host's huge page). The host asks for 0 when it backs
+    /// guest memory with small pages (TCG), so memory freed in small pieces goes back too.
+    /// An older agent ignores it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_reporting_order: Option<u32>,
 }
 
 /// What to run, resolved by the host from the image config and the user's flags.

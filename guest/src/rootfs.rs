@@ -58,6 +58,10 @@ pub(crate) fn load_modules() -> Vec<String> {
                 failed.push(format!("{} ({size} bytes): {e}", m.display()));
             }
         }
+        // The initramfs is memory the guest keeps for its whole life: a loaded module's
+        // file is not needed again.
+        drop(f);
+        let _ = std::fs::remove_file(&m);
     }
     for f in &failed {
         eprintln!("amber-guest: loading kernel module {f}");
@@ -178,6 +182,12 @@ pub(crate) fn mount_root() -> Result<(), String> {
 /// Mounts the root, sets the hostname, and moves this process into the root, so commands
 /// and copies see exactly the sandbox's file system.
 pub(crate) fn boot(b: &Boot) -> Result<(), String> {
+    if let Some(order) = b.page_reporting_order {
+        // The initramfs's own /sys is writable (the sandbox's is not).
+        let param = "/sys/module/page_reporting/parameters/page_reporting_order";
+        std::fs::write(param, order.to_string())
+            .map_err(|e| format!("setting {param} to {order}: {e}"))?;
+    }
     mount_root()?;
     let h = cstr(&b.hostname);
     // SAFETY: valid buffer and length.

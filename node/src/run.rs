@@ -61,6 +61,7 @@ pub async fn launch(
     } else {
         a.accel.clone()
     };
+    let page_reporting_order = crate::vm::page_reporting_order(&accel);
     let l = Launch {
         registry: registry.base().to_string(),
         env: resolved.env,
@@ -74,6 +75,7 @@ pub async fn launch(
         boot: Boot {
             hostname,
             root_device: a.root_device,
+            page_reporting_order,
         },
         prefetch: false,
         root_image: None,
