@@ -122,7 +122,14 @@ pub(crate) fn spawn(
             .map(|d| cstr(format!("{d}/{argv0}")))
             .collect()
     };
+    // What runc (and so `docker exec`) answers: a name searched in PATH that does not
+    // exec is "not found" (127) whatever the reason, as Go's LookPath skips entries it
+    // cannot search or run; an explicit path that cannot be run is "permission denied"
+    // (126), one that does not exist "no such file or directory" (127).
+    let searched = !argv0.contains('/');
     let not_found = format!("exec: \"{argv0}\": executable file not found in $PATH\n");
+    let denied_msg = format!("exec: \"{argv0}\": permission denied\n");
+    let missing_msg = format!("exec: \"{argv0}\": no such file or directory\n");
     let c_cwd = cstr(if req.cwd.is_empty() { "/" } else { &req.cwd });
     let in_fd = in_r.as_ref().map(|f| f.as_raw_fd()).unwrap_or(-1);
     let (tx, rx) = sync_channel(1);
@@ -165,8 +172,15 @@ pub(crate) fn spawn(
                     denied = true;
                 }
             }
-            libc::write(2, not_found.as_ptr().cast(), not_found.len());
-            libc::_exit(if denied { 126 } else { 127 });
+            let (msg, code) = if searched {
+                (&not_found, 127)
+            } else if denied {
+                (&denied_msg, 126)
+            } else {
+                (&missing_msg, 127)
+            };
+            libc::write(2, msg.as_ptr().cast(), msg.len());
+            libc::_exit(code);
         }
     }
     reg.waiting.insert(pid, tx);

@@ -65,6 +65,40 @@ fn a_sandbox_keeps_its_state_across_exec_and_copies() {
     );
     let o = exec(&[&id, "--", "no-such-command"]);
     assert_eq!(o.status.code(), Some(127));
+    // The exit codes and messages of docker exec (runc) for what does not run: a file
+    // that is not executable, by path, is 126 "permission denied"; a path that does not
+    // exist is 127; a name found in PATH that is not executable is 127 "not found".
+    let o = exec(&[&id, "--", "/work/f"]);
+    assert_eq!(o.status.code(), Some(126), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("\"/work/f\": permission denied"),
+        "{}",
+        stderr(&o)
+    );
+    let o = exec(&[&id, "--", "/no/such/file"]);
+    assert_eq!(o.status.code(), Some(127), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("no such file or directory"),
+        "{}",
+        stderr(&o)
+    );
+    let o = exec(&[
+        "-u",
+        "root",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "echo x > /bin/not-executable",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = exec(&[&id, "--", "not-executable"]);
+    assert_eq!(o.status.code(), Some(127), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("executable file not found in $PATH"),
+        "{}",
+        stderr(&o)
+    );
     let input = vec![7u8; 2_500_000];
     let o = node.amber_with_stdin(&reg, &["exec", "-i", &id, "--", "wc", "-c"], &input);
     assert_eq!(stdout(&o), "2500000\n");
