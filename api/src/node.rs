@@ -48,6 +48,12 @@ pub struct CreateSandbox {
     #[serde(default = "default_memory")]
     #[cfg_attr(feature = "openapi", schema(minimum = 128, default = 512))]
     pub memory_mib: u32,
+    /// The sandbox's writable disk in MiB, where every write goes (a sparse file on the
+    /// node: it costs what is written; a full disk is ENOSPC inside the guest): 64 to
+    /// 1048576, or 0 to keep writes in guest memory. 8192 when unset.
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(maximum = 1048576))]
+    pub disk_mib: Option<u32>,
     /// Added to (and overriding) the image's environment for every command.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -120,6 +126,9 @@ pub struct SandboxInfo {
     pub reason: Option<String>,
     pub cpus: u32,
     pub memory_mib: u32,
+    /// Its writable disk (0: writes in guest memory).
+    #[serde(default)]
+    pub disk_mib: u32,
     pub labels: BTreeMap<String, String>,
     pub hostname: String,
     /// Unix seconds.

@@ -102,7 +102,17 @@ pub struct Boot {
     /// An older agent ignores it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub page_reporting_order: Option<u32>,
+    /// The sandbox's writes go to its own disk (a virtio-blk device with the serial
+    /// [`WRITABLE_DISK_SERIAL`], an ext4 file system the host made) instead of guest
+    /// memory. An older agent ignores it and keeps its writes in a tmpfs.
+    #[serde(default)]
+    pub writable_disk: bool,
 }
+
+/// The virtio-blk serial of the env's read-only root device.
+pub const ENV_DISK_SERIAL: &str = "amber-env";
+/// The virtio-blk serial of a sandbox's writable disk.
+pub const WRITABLE_DISK_SERIAL: &str = "amber-rw";
 
 /// What to run, resolved by the host from the image config and the user's flags.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]

@@ -7,7 +7,7 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use amber_guest::{Boot, PORT_NAME};
+use amber_guest::{Boot, PORT_NAME, WRITABLE_DISK_SERIAL};
 
 use crate::sys::{cstr, errno};
 
@@ -91,9 +91,36 @@ pub(crate) fn wait_for_devices() -> Result<PathBuf, String> {
     }
 }
 
-pub(crate) fn mount_root() -> Result<(), String> {
+/// The block device (`/dev/vdX`) whose virtio serial is `serial`.
+fn disk_with_serial(serial: &str) -> Option<PathBuf> {
+    std::fs::read_dir("/sys/block").ok()?.find_map(|e| {
+        let e = e.ok()?;
+        let s = std::fs::read_to_string(e.path().join("serial")).ok()?;
+        (s.trim() == serial).then(|| Path::new("/dev").join(e.file_name()))
+    })
+}
+
+/// Mounts the env read-only at /lower and the place for the sandbox's writes at /rw:
+/// its own ext4 disk when the host gave one (`writable`), guest memory otherwise.
+pub(crate) fn mount_root(writable: bool) -> Result<(), String> {
     mount("/dev/vda", "/lower", "erofs", libc::MS_RDONLY, "")?;
-    mount("tmpfs", "/rw", "tmpfs", 0, "mode=0755")?;
+    if writable {
+        let dev = disk_with_serial(WRITABLE_DISK_SERIAL).ok_or_else(|| {
+            format!("the host gave a writable disk, but no block device has the serial {WRITABLE_DISK_SERIAL}")
+        })?;
+        // discard: deleted files give their space back to the host's sparse file;
+        // noinit_itable: the host's file reads as zeros where mkfs left the inode tables
+        // unwritten, so the guest need not spend its CPU zeroing them.
+        mount(
+            &dev.display().to_string(),
+            "/rw",
+            "ext4",
+            libc::MS_NOATIME,
+            "discard,noinit_itable",
+        )?;
+    } else {
+        mount("tmpfs", "/rw", "tmpfs", 0, "mode=0755")?;
+    }
     std::fs::create_dir_all("/rw/upper").map_err(|e| e.to_string())?;
     std::fs::create_dir_all("/rw/work").map_err(|e| e.to_string())?;
     // The merged root takes its owner and mode from the upper directory: copy the env's.
@@ -188,7 +215,7 @@ pub(crate) fn boot(b: &Boot) -> Result<(), String> {
         std::fs::write(param, order.to_string())
             .map_err(|e| format!("setting {param} to {order}: {e}"))?;
     }
-    mount_root()?;
+    mount_root(b.writable_disk)?;
     let h = cstr(&b.hostname);
     // SAFETY: valid buffer and length.
     if unsafe { libc::sethostname(h.as_ptr(), b.hostname.len()) } != 0 {

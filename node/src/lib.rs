@@ -21,6 +21,7 @@
 pub mod client;
 pub mod command;
 pub mod daemon;
+pub mod disk;
 pub mod exports;
 pub mod files;
 pub mod http;

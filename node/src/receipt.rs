@@ -11,6 +11,10 @@ pub struct Vm {
     pub accel: String,
     pub cpus: u32,
     pub memory_mib: u32,
+    /// The writable disk in MiB; 0 (and receipts from before it) keeps writes in guest
+    /// memory.
+    #[serde(default)]
+    pub disk_mib: u32,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]

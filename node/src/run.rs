@@ -25,6 +25,8 @@ pub struct VmOptions {
     pub hostname: Option<String>,
     pub cpus: u32,
     pub memory_mib: u32,
+    /// The writable disk in MiB (`disk`); 0 keeps writes in guest memory.
+    pub disk_mib: u32,
     /// `auto` (what `amber setup`'s probe found), `kvm` or `tcg`.
     pub accel: String,
     pub root_device: bool,
@@ -71,11 +73,13 @@ pub async fn launch(
             accel,
             cpus: a.cpus,
             memory_mib: a.memory_mib,
+            disk_mib: a.disk_mib,
         },
         boot: Boot {
             hostname,
             root_device: a.root_device,
             page_reporting_order,
+            writable_disk: a.disk_mib > 0,
         },
         prefetch: false,
         root_image: None,

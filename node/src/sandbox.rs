@@ -15,6 +15,7 @@ use amber_snapshotter::device::LazyDevice;
 use serde::{Deserialize, Serialize};
 
 use crate::command::ExecDefaults;
+use crate::disk::{self, DiskError};
 use crate::exports::{Export, ExportError, Exports};
 use crate::mux::{Mux, SessionTx};
 use crate::receipt;
@@ -53,6 +54,8 @@ pub enum StartError {
     /// A chunk of the env failed verification while the guest booted.
     #[error("{0}")]
     Integrity(Arc<CacheError>),
+    #[error(transparent)]
+    Disk(#[from] DiskError),
     #[error("the VM failed to start: {0}")]
     Vm(VmError),
 }
@@ -105,6 +108,16 @@ impl Sandbox {
                 r.map_err(StartError::Prefetch)?;
             }
         }
+        let disk = if l.shape.disk_mib > 0 {
+            let p = work.join("disk.img");
+            if let Err(e) = disk::create(&p, l.shape.disk_mib) {
+                let _ = std::fs::remove_dir_all(&work);
+                return Err(e.into());
+            }
+            Some(p)
+        } else {
+            None
+        };
         let spec = VmSpec {
             qemu: PathBuf::from("qemu-system-x86_64"),
             accel: l.shape.accel.clone(),
@@ -116,6 +129,7 @@ impl Sandbox {
                 Some(p) => Root::RawFile(p.clone()),
                 None => Root::Nbd(export.socket.clone()),
             },
+            disk,
             work: work.clone(),
         };
         let vm = match Vm::boot(&spec, &l.boot).await {

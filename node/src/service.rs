@@ -322,6 +322,15 @@ impl Node {
                 c.memory_mib
             )));
         }
+        if let Some(d) = c.disk_mib {
+            if d != 0 && !(crate::disk::MIN_MIB..=crate::disk::MAX_MIB).contains(&d) {
+                return Err(bad(format!(
+                    "disk_mib must be {} to {} (or 0 for writes in guest memory), not {d}",
+                    crate::disk::MIN_MIB,
+                    crate::disk::MAX_MIB
+                )));
+            }
+        }
         if c.lifetime_s == Some(0) || c.idle_timeout_s == Some(0) {
             return Err(bad("lifetime_s and idle_timeout_s must be positive"));
         }
@@ -451,6 +460,7 @@ impl Node {
             hostname: c.hostname.clone(),
             cpus: c.cpus,
             memory_mib: c.memory_mib,
+            disk_mib: c.disk_mib.unwrap_or(crate::disk::DEFAULT_MIB),
             accel: "auto".into(),
             root_device: c.root_device,
         };
@@ -503,6 +513,7 @@ impl Node {
             reason: None,
             cpus: c.cpus,
             memory_mib: c.memory_mib,
+            disk_mib: launch.shape.disk_mib,
             labels: c.labels.clone(),
             hostname: launch.boot.hostname.clone(),
             created_at: now,

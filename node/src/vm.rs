@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use amber_guest::{Boot, BOOT, ERROR, EXIT, READY, SHUTDOWN};
+use amber_guest::{
+    Boot, BOOT, ENV_DISK_SERIAL, ERROR, EXIT, READY, SHUTDOWN, WRITABLE_DISK_SERIAL,
+};
 
 use crate::mux::Mux;
 
@@ -45,6 +47,9 @@ pub struct VmSpec {
     pub kernel: PathBuf,
     pub initramfs: PathBuf,
     pub root: Root,
+    /// The sandbox's writable disk (`disk`), attached after the root so the root stays
+    /// the guest's /dev/vda (what agents before the writable disk mount).
+    pub disk: Option<PathBuf>,
     pub work: PathBuf,
 }
 
@@ -134,7 +139,7 @@ pub fn qemu_memory(mib: u32) -> String {
 
 impl VmSpec {
     fn args(&self, ctl: &Path, console: &Path) -> Vec<String> {
-        vec![
+        let mut args: Vec<String> = vec![
             "-accel".into(),
             accel_arg(&self.accel),
             "-M".into(),
@@ -176,7 +181,7 @@ impl VmSpec {
                 ),
             },
             "-device".into(),
-            "virtio-blk-device,drive=root".into(),
+            format!("virtio-blk-device,drive=root,serial={ENV_DISK_SERIAL}"),
             // Memory the guest frees goes back to the host (an idle sandbox costs what
             // it holds, not what it once touched).
             "-device".into(),
@@ -187,7 +192,19 @@ impl VmSpec {
             format!("socket,id=ctl,path={},server=on,wait=off", ctl.display()),
             "-device".into(),
             format!("virtserialport,chardev=ctl,name={}", amber_guest::PORT_NAME),
-        ]
+        ];
+        if let Some(disk) = &self.disk {
+            args.extend([
+                "-blockdev".into(),
+                format!(
+                    "driver=raw,node-name=rw,discard=unmap,file.driver=file,file.filename={}",
+                    disk.display()
+                ),
+                "-device".into(),
+                format!("virtio-blk-device,drive=rw,serial={WRITABLE_DISK_SERIAL}"),
+            ]);
+        }
+        args
     }
 }
 

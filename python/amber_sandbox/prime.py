@@ -22,6 +22,7 @@ class CreateSandboxRequest:
     name: str | None = None
     cpu_cores: int = 1
     memory_gb: float = 0.5
+    disk_size_gb: int | None = None
     timeout_minutes: int = 60
     environment_vars: dict[str, str] | None = None
     labels: list[str] | dict[str, str] = field(default_factory=dict)
@@ -48,6 +49,7 @@ class AsyncSandboxClient:
             request.docker_image,
             cpus=request.cpu_cores,
             memory_mib=int(request.memory_gb * 1024),
+            disk_mib=None if request.disk_size_gb is None else request.disk_size_gb * 1024,
             env=request.environment_vars,
             labels=labels,
             lifetime_s=request.timeout_minutes * 60,

@@ -29,6 +29,7 @@ class SandboxInfo:
     labels: dict[str, str] = field(default_factory=dict)
     expires_at: int | None = None
     idle_timeout_s: int | None = None
+    disk_mib: int = 0
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> "SandboxInfo":

@@ -120,6 +120,8 @@ async def test_streams_timeouts_processes_and_errors(nodes, images):
             await sb.exec("true")
         with pytest.raises(ImageNotFound):
             await amber.create("py/nothing:here")
+        with pytest.raises(BadRequest, match="disk_mib must be 64 to"):
+            await amber.create(images[0], disk_mib=10)
     # TCP needs the token.
     with pytest.raises(Unauthorized):
         await AsyncNode(nodes[0].tcp).info()

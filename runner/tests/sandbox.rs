@@ -99,6 +99,33 @@ fn a_sandbox_keeps_its_state_across_exec_and_copies() {
         "{}",
         stderr(&o)
     );
+    // Writes go to the sandbox's own disk (8 GiB, sparse on the host), not to guest
+    // memory: 1 GiB written in a 512 MiB VM, and it keeps working.
+    let o = exec(&[
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "dd if=/dev/zero of=/work/big bs=1M count=1024 status=none && sync && stat -c %s /work/big && df -k / | tail -1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.starts_with("1073741824\n"), "{out}");
+    let size_kib: u64 = out
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        size_kib > 7 << 20,
+        "the root has {size_kib} KiB: not the 8 GiB disk"
+    );
+    let o = exec(&[&id, "--", "sh", "-c", "rm /work/big && echo still here"]);
+    assert_eq!(stdout(&o), "still here\n", "{}", stderr(&o));
     let input = vec![7u8; 2_500_000];
     let o = node.amber_with_stdin(&reg, &["exec", "-i", &id, "--", "wc", "-c"], &input);
     assert_eq!(stdout(&o), "2500000\n");
@@ -221,7 +248,7 @@ fn a_sandbox_keeps_its_state_across_exec_and_copies() {
 
     // A second sandbox of the same env lives in the same node daemon (one process per
     // node), has its own state, and removing it leaves the first one running.
-    let second = node.amber(&reg, &["create", "sandbox/worker:v1"]);
+    let second = node.amber(&reg, &["create", "--disk", "64", "sandbox/worker:v1"]);
     assert!(second.status.success(), "{}", stderr(&second));
     let id2 = stdout(&second).trim().to_string();
     assert_ne!(id2, id);
@@ -232,6 +259,36 @@ fn a_sandbox_keeps_its_state_across_exec_and_copies() {
     );
     let o = exec(&[&id2, "--", "sh", "-c", "cat /work/f || echo fresh"]);
     assert_eq!(stdout(&o), "fresh\n", "{}", stderr(&o));
+    // Its 64 MiB disk fills up: ENOSPC inside the guest and nothing else. The sandbox
+    // keeps working once space is freed, its file on the host stays within the disk's
+    // size, and the first sandbox is untouched.
+    let o = exec(&[
+        &id2,
+        "--",
+        "sh",
+        "-c",
+        "dd if=/dev/zero of=/work/fill bs=1M count=128 2>&1; echo rc=$?",
+    ]);
+    let out = stdout(&o);
+    assert!(out.contains("No space left on device"), "{out}");
+    assert!(out.contains("rc=1"), "{out}");
+    let o = exec(&[
+        &id2,
+        "--",
+        "sh",
+        "-c",
+        "rm /work/fill && echo room > /work/g && cat /work/g",
+    ]);
+    assert_eq!(stdout(&o), "room\n", "{}", stderr(&o));
+    let img = node
+        .home
+        .path()
+        .join("sandboxes")
+        .join(&id2)
+        .join("vm/disk.img");
+    let used = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&img).unwrap()) * 512;
+    assert!(used <= 64 << 20, "{} holds {used} bytes", img.display());
+    assert_eq!(stdout(&exec(&[&id, "--", "cat", "/work/f"])), "state\n");
     let o = node.amber(&reg, &["rm", &id2]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(!node.home.path().join("sandboxes").join(&id2).exists());

@@ -84,6 +84,10 @@ struct VmArgs {
     /// Guest memory in MiB.
     #[arg(long, default_value_t = 512)]
     memory: u32,
+    /// The sandbox's writable disk in MiB (sparse on this node; a full disk is ENOSPC in
+    /// the guest); 0 keeps writes in guest memory.
+    #[arg(long, default_value_t = amber_node::disk::DEFAULT_MIB)]
+    disk: u32,
     /// QEMU accelerator: auto (what `amber setup`'s probe found), kvm or tcg.
     #[arg(long, env = "AMBER_ACCEL", default_value = "auto")]
     accel: String,
@@ -102,6 +106,7 @@ impl VmArgs {
             hostname: self.hostname.clone(),
             cpus: self.cpus,
             memory_mib: self.memory,
+            disk_mib: self.disk,
             accel: self.accel.clone(),
             root_device: self.root_device,
         }
@@ -280,6 +285,7 @@ fn create_request(v: &VmArgs, image: String, hostname: Option<String>) -> Create
         image,
         cpus: v.cpus,
         memory_mib: v.memory,
+        disk_mib: Some(v.disk),
         env: Default::default(),
         labels: Default::default(),
         workdir: v.workdir.clone(),
@@ -427,6 +433,7 @@ async fn reproduce(node: &Path, path: &Path, credentials: Option<&str>) -> anyho
         image: r.env_digest.clone(),
         cpus: r.vm.cpus,
         memory_mib: r.vm.memory_mib,
+        disk_mib: Some(r.vm.disk_mib),
         hostname: Some(r.boot.hostname.clone()),
         root_device: r.boot.root_device,
         kernel: Some(r.kernel.clone()),
