@@ -110,7 +110,12 @@ impl Sandbox {
         }
         let disk = if l.shape.disk_mib > 0 {
             let p = work.join("disk.img");
-            if let Err(e) = disk::create(&p, l.shape.disk_mib) {
+            // mkfs is a process and file I/O: off the runtime's worker threads.
+            let (path, mib) = (p.clone(), l.shape.disk_mib);
+            let made = tokio::task::spawn_blocking(move || disk::create(&path, mib))
+                .await
+                .expect("making a disk does not panic");
+            if let Err(e) = made {
                 let _ = std::fs::remove_dir_all(&work);
                 return Err(e.into());
             }
