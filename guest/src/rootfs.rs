@@ -1,6 +1,7 @@
 //! The sandbox's root: loading the kernel modules the initramfs carries, finding the
-//! env's device, mounting its EROFS read-only under an overlay with a tmpfs upper, the
-//! hostname, and moving the agent into the new root (`boot`).
+//! env's device, mounting its EROFS read-only under an overlay whose upper layer is the
+//! sandbox's writable disk (or a tmpfs when the host gave none), the hostname, and moving
+//! the agent into the new root (`boot`).
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
