@@ -85,13 +85,24 @@ impl Sandbox {
             path: work.clone(),
             source,
         })?;
-        let export = match exports.export(&l.env).await {
-            Ok(e) => e,
+        match Self::boot(exports, &work, l).await {
+            Ok((export, vm)) => Ok(Sandbox { vm, export, work }),
             Err(e) => {
+                // Whatever failed, nothing of the sandbox stays on the node.
                 let _ = std::fs::remove_dir_all(&work);
-                return Err(e.into());
+                Err(e)
             }
-        };
+        }
+    }
+
+    /// Everything `start` does inside the work directory: the export, the optional
+    /// prefetch, the writable disk and the VM.
+    async fn boot(
+        exports: &Exports,
+        work: &std::path::Path,
+        l: &Launch,
+    ) -> Result<(Arc<Export>, Vm), StartError> {
+        let export = exports.export(&l.env).await?;
         if l.prefetch {
             use futures_util::StreamExt;
             let cache = exports.cache().clone();
@@ -112,13 +123,9 @@ impl Sandbox {
             let p = work.join("disk.img");
             // mkfs is a process and file I/O: off the runtime's worker threads.
             let (path, mib) = (p.clone(), l.shape.disk_mib);
-            let made = tokio::task::spawn_blocking(move || disk::create(&path, mib))
+            tokio::task::spawn_blocking(move || disk::create(&path, mib))
                 .await
-                .expect("making a disk does not panic");
-            if let Err(e) = made {
-                let _ = std::fs::remove_dir_all(&work);
-                return Err(e.into());
-            }
+                .expect("making a disk does not panic")?;
             Some(p)
         } else {
             None
@@ -135,19 +142,15 @@ impl Sandbox {
                 None => Root::Nbd(export.socket.clone()),
             },
             disk,
-            work: work.clone(),
+            work: work.to_path_buf(),
         };
-        let vm = match Vm::boot(&spec, &l.boot).await {
-            Ok(vm) => vm,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&work);
-                return Err(match export.device.integrity_failure() {
-                    Some(i) => StartError::Integrity(i),
-                    None => StartError::Vm(e),
-                });
-            }
-        };
-        Ok(Sandbox { vm, export, work })
+        match Vm::boot(&spec, &l.boot).await {
+            Ok(vm) => Ok((export, vm)),
+            Err(e) => Err(match export.device.integrity_failure() {
+                Some(i) => StartError::Integrity(i),
+                None => StartError::Vm(e),
+            }),
+        }
     }
 
     /// The first chunk of this sandbox's env that failed verification, if any did: the

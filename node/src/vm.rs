@@ -118,7 +118,7 @@ fn machine(accel: &str) -> &'static str {
 /// the guest boots, and on a busy host (VMs booting together, vCPUs descheduled) finds
 /// "skew", marks the TSC unstable and falls back to jiffies, which needs the periodic
 /// 250 Hz tick for ever after: 5% of a host core per idle sandbox instead of 0.9%.
-pub const KERNEL_CMDLINE: &str =
+const KERNEL_CMDLINE: &str =
     "console=ttyS0 panic=-1 quiet tsc_early_khz=2000000 tsc=reliable rdinit=/init";
 
 /// QEMU's `-m` for a VM of `mib` MiB.
