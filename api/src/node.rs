@@ -12,6 +12,8 @@
 //!   process), `GET …/processes/{pid}/output?from=SEQ` -> `ExecFrame`s again from any
 //!   sequence number, `POST …/processes/{pid}/signal` `SignalRequest`;
 //! - `PUT|GET /v1/sandboxes/{id}/files?path=` raw bytes; `PUT|GET …/archive?path=` a tar;
+//! - `POST /v1/sandboxes/{id}/snapshot` `CreateSnapshot` -> 201 `SnapshotInfo` (the
+//!   sandbox's files as a new image in the registry; the sandbox keeps running);
 //! - `GET /v1/node[?image=REF]` -> `NodeInfo`; `GET /v1/health`; `GET /v1/openapi.json`.
 //!
 //! Every error is `ErrorBody` with a stable `kind` a client can branch on.
@@ -139,6 +141,61 @@ pub struct SandboxInfo {
     pub kernel: String,
     pub initramfs: String,
     pub accel: String,
+    /// When it was created from a snapshot: the images that snapshot was made from,
+    /// nearest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parents: Vec<Parent>,
+}
+
+/// One image in a snapshot's lineage.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Parent {
+    /// `repository@sha256:…`
+    pub image: String,
+    pub env_digest: String,
+}
+
+/// Commit a sandbox's files as a new image (its image plus one layer of its changes).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct CreateSnapshot {
+    /// `name` or `name:tag` to push the image under (`latest` when no tag is given); by
+    /// default the sandbox's own repository, by digest only.
+    #[serde(default)]
+    pub tag: Option<String>,
+    /// Answer once the registry has converted the image (`env_digest` set), the default;
+    /// else as soon as it is pushed.
+    #[serde(default = "yes")]
+    pub wait: bool,
+}
+
+/// A snapshot: an ordinary image in the registry, pinned by digest.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct SnapshotInfo {
+    /// The sandbox it was taken from (which keeps running).
+    pub sandbox: String,
+    /// `repository@sha256:…`: what `create` and `docker pull` take.
+    pub image: String,
+    /// `repository:tag`, when it was pushed under a tag.
+    pub tag: Option<String>,
+    pub image_digest: String,
+    /// Its env (set once converted: always when `wait` was asked).
+    pub env_digest: Option<String>,
+    /// The new layer: its digest, compressed size, and the size of the tar inside.
+    pub layer_digest: String,
+    pub layer_bytes: u64,
+    pub diff_bytes: u64,
+    /// Milliseconds from asking the guest to the last byte of its changes: the
+    /// sandbox's disk is frozen (writes wait) for about this long.
+    pub frozen_ms: u64,
+    /// Milliseconds until the image was pushed, and until it was converted (`wait`).
+    pub pushed_ms: u64,
+    pub converted_ms: Option<u64>,
+    /// Its lineage, nearest first: the sandbox's image, then that image's own parents.
+    pub parents: Vec<Parent>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

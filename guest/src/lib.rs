@@ -11,6 +11,8 @@ use std::io::{self, Read, Write};
 
 use serde::{Deserialize, Serialize};
 
+pub mod layer;
+
 pub const PORT_NAME: &str = "amber";
 
 /// Bytes of a frame header.
@@ -36,6 +38,10 @@ pub const GET: u8 = 6;
 pub const DATA: u8 = 7;
 /// Session 0: sync the disks and power off.
 pub const SHUTDOWN: u8 = 8;
+/// Payload JSON [`Snapshot`]: freeze the sandbox's writable disk, answer with its changes
+/// to the env as an OCI layer (an uncompressed tar in `DATA` frames, an empty `DATA`
+/// ends it, written by [`layer::write`]), thaw it, and `EXIT` 0. Protocol 2 and later.
+pub const SNAPSHOT: u8 = 9;
 
 // Guest -> host.
 pub const STDOUT: u8 = 16;
@@ -54,8 +60,10 @@ pub const READY: u8 = 20;
 /// from [`MIN_PROTOCOL_VERSION`] to [`PROTOCOL_VERSION`].
 ///
 /// History: 0 (an empty `READY` payload) is the protocol before versions were sent;
-/// 1 has the same frames and sends its version.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// 1 has the same frames and sends its version; 2 adds `SNAPSHOT`.
+pub const PROTOCOL_VERSION: u32 = 2;
+/// The first protocol version with `SNAPSHOT`.
+pub const SNAPSHOT_PROTOCOL: u32 = 2;
 /// The oldest agent protocol this host still drives (old receipts boot old initramfs).
 pub const MIN_PROTOCOL_VERSION: u32 = 0;
 
@@ -141,6 +149,10 @@ pub struct Put {
 pub struct Get {
     pub path: String,
 }
+
+/// What a `SNAPSHOT` session asks: nothing yet (room for options).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Snapshot {}
 
 pub fn header(kind: u8, session: u32, len: usize) -> [u8; HEADER] {
     let mut h = [0u8; HEADER];

@@ -1,6 +1,6 @@
 //! `amber-guest`: PID 1 of an amber microVM. Loads the modules the initramfs carries,
 //! waits for the host's `BOOT` on the virtio-serial port `amber`, mounts the env's EROFS
-//! root (read-only) under an overlay with a tmpfs upper, moves itself into that root, and
+//! root (read-only) under an overlay whose upper is the sandbox's disk (or a tmpfs), moves itself into that root, and
 //! then serves sessions (see the protocol in lib.rs) until the host asks it to power off:
 //! commands run as the image's user with stdin, stdout, stderr, signals and exit status
 //! carried over the port, and tar streams copied in and out.
@@ -15,7 +15,7 @@
 //!
 //! Modules: `rootfs` (modules, devices, mounts, the move into the root), `users` (the
 //! image's `User` as docker resolves it), `process` (fork/exec, output, the reaper),
-//! `files` (tar copies), `port` (frames to the host), `sys` (libc wrappers); this file
+//! `files` (tar copies and snapshots), `port` (frames to the host), `sys` (libc wrappers); this file
 //! dispatches the host's frames.
 
 use std::fs::File;
@@ -24,10 +24,10 @@ use std::sync::{Arc, Mutex};
 
 use amber_guest::{
     read_frame, Boot, Frame, Get, Put, Request, BOOT, DATA, EXEC, GET, PUT, READY, SHUTDOWN,
-    SIGNAL, STDIN,
+    SIGNAL, SNAPSHOT, STDIN,
 };
 
-use crate::files::{get, put};
+use crate::files::{get, put, snapshot};
 use crate::port::Port;
 use crate::process::{exec, reap, Live, Reaper, Sessions};
 use crate::rootfs::{boot, load_modules, mount, wait_for_devices};
@@ -82,10 +82,10 @@ fn dispatch(mut input: File, port: Port, module_failures: &[String]) -> Result<(
                 }
             }
             SHUTDOWN => return Ok(()),
-            EXEC | PUT | GET if !booted || session == 0 => {
+            EXEC | PUT | GET | SNAPSHOT if !booted || session == 0 => {
                 port.fail(session, "the sandbox is not booted", 125)
             }
-            EXEC | PUT | GET if sessions.lock().unwrap().contains_key(&session) => {
+            EXEC | PUT | GET | SNAPSHOT if sessions.lock().unwrap().contains_key(&session) => {
                 port.fail(session, &format!("session {session} is already open"), 125)
             }
             EXEC => match serde_json::from_slice::<Request>(&payload) {
@@ -128,6 +128,10 @@ fn dispatch(mut input: File, port: Port, module_failures: &[String]) -> Result<(
                 }
                 Err(e) => port.fail(session, &format!("bad GET: {e}"), 125),
             },
+            SNAPSHOT => {
+                let p = port.clone();
+                std::thread::spawn(move || snapshot(p, session));
+            }
             STDIN | DATA => {
                 // Take the sender out of the lock: a full channel must not block others.
                 let tx = sessions.lock().unwrap().get_mut(&session).and_then(|l| {

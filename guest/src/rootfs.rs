@@ -14,6 +14,21 @@ use crate::sys::{cstr, errno};
 
 pub(crate) const NEWROOT: &str = "/newroot";
 
+/// The sandbox's writable disk (mounted at /rw before the agent enters the root, where
+/// /rw is out of reach): what `SNAPSHOT` freezes, and the way to its upper directory.
+static WRITABLE: std::sync::OnceLock<File> = std::sync::OnceLock::new();
+
+/// The writable disk's root, when the sandbox has one.
+pub(crate) fn writable_disk() -> Option<&'static File> {
+    WRITABLE.get()
+}
+
+/// The overlay's upper directory as a path that works inside the root: through this
+/// process's descriptor of the disk (`/proc/self/fd/N` leads out of a chroot).
+pub(crate) fn upper_dir(disk: &File) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}/upper", disk.as_raw_fd()))
+}
+
 pub(crate) fn mount(
     src: &str,
     target: &str,
@@ -119,6 +134,8 @@ pub(crate) fn mount_root(writable: bool) -> Result<(), String> {
             libc::MS_NOATIME,
             "discard,noinit_itable",
         )?;
+        let disk = File::open("/rw").map_err(|e| format!("opening /rw: {e}"))?;
+        let _ = WRITABLE.set(disk);
     } else {
         mount("tmpfs", "/rw", "tmpfs", 0, "mode=0755")?;
     }
@@ -135,12 +152,15 @@ pub(crate) fn mount_root(writable: bool) -> Result<(), String> {
             libc::chmod(upper.as_ptr(), m.mode() & 0o7777);
         }
     }
+    // The upper must read as a plain OCI layer (`layer.rs`): a renamed directory of the
+    // env is copied, not redirected; a changed mode copies the whole file, not only its
+    // metadata; no index of hard links outside the upper.
     mount(
         "overlay",
         NEWROOT,
         "overlay",
         0,
-        "lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work",
+        "lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work,redirect_dir=off,metacopy=off,index=off",
     )?;
     mount(
         "proc",

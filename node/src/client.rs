@@ -6,7 +6,8 @@
 use std::path::Path;
 
 use amber_api::node::{
-    ApiError, CreateSandbox, ErrorBody, ErrorKind, Health, NodeInfo, SandboxInfo, SandboxList,
+    ApiError, BatchResult, CreateBatch, CreateSandbox, CreateSnapshot, ErrorBody, ErrorKind,
+    Health, NodeInfo, SandboxInfo, SandboxList, SnapshotInfo,
 };
 use serde::de::DeserializeOwned;
 
@@ -101,6 +102,14 @@ impl NodeClient {
         Self::read(r).await
     }
 
+    /// Creates the batch's sandboxes on this node at once: one result per request.
+    pub async fn create_batch(&self, b: &CreateBatch) -> Result<BatchResult, ClientError> {
+        let r = self
+            .send(self.http.post(Self::url("/v1/sandboxes/batch")).json(b))
+            .await?;
+        Self::read(r).await
+    }
+
     pub async fn get(&self, id: &str) -> Result<SandboxInfo, ClientError> {
         let r = self
             .send(self.http.get(Self::url(&format!("/v1/sandboxes/{id}"))))
@@ -118,6 +127,15 @@ impl NodeClient {
             .send(self.http.delete(Self::url(&format!("/v1/sandboxes/{id}"))))
             .await?;
         Self::read(r).await
+    }
+
+    pub async fn snapshot(
+        &self,
+        id: &str,
+        c: &CreateSnapshot,
+    ) -> Result<SnapshotInfo, ClientError> {
+        let url = Self::url(&format!("/v1/sandboxes/{id}/snapshot"));
+        Self::read(self.send(self.http.post(url).json(c)).await?).await
     }
 
     /// A connection to the sandbox carrying the guest protocol's frames.

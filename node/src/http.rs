@@ -23,9 +23,9 @@ use serde::Deserialize;
 use utoipa::OpenApi;
 
 use amber_api::node::{
-    ApiError, BatchItem, BatchResult, CreateBatch, CreateSandbox, Deleted, ErrorBody, ErrorKind,
-    ExecFrame, ExecRequest, ExecResult, Health, NodeInfo, ProcessInfo, ProcessList, SandboxInfo,
-    SandboxList, SetTimeout, SignalRequest,
+    ApiError, BatchItem, BatchResult, CreateBatch, CreateSandbox, CreateSnapshot, Deleted,
+    ErrorBody, ErrorKind, ExecFrame, ExecRequest, ExecResult, Health, NodeInfo, ProcessInfo,
+    ProcessList, SandboxInfo, SandboxList, SetTimeout, SignalRequest, SnapshotInfo,
 };
 
 use crate::files::{self, FileError};
@@ -104,7 +104,7 @@ fn query<T>(q: Result<Query<T>, QueryRejection>) -> Answer<T> {
     ),
     paths(
         create_sandbox, create_batch, list_sandboxes, delete_by_labels, get_sandbox,
-        wait_sandbox, delete_sandbox, set_timeout, exec, exec_stream, start_process,
+        wait_sandbox, delete_sandbox, set_timeout, snapshot_sandbox, exec, exec_stream, start_process,
         list_processes, get_process, process_output, signal_process, put_file, get_file,
         put_archive, get_archive, attach, node_info, health, openapi_json
     ),
@@ -149,6 +149,7 @@ pub fn router(node: Arc<Node>, token: Option<String>) -> Router {
         )
         .route("/v1/sandboxes/{id}/wait", get(wait_sandbox))
         .route("/v1/sandboxes/{id}/timeout", put(set_timeout))
+        .route("/v1/sandboxes/{id}/snapshot", post(snapshot_sandbox))
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/exec/stream", post(exec_stream))
         .route(
@@ -385,6 +386,25 @@ async fn set_timeout(
 ) -> Answer<Json<SandboxInfo>> {
     let (id, t) = (path(id)?, json(body)?);
     Ok(Json(node.set_timeout(&id, t.lifetime_s)?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/snapshot", params(("id" = String, Path)),
+    request_body = CreateSnapshot,
+    responses(
+        (status = 201, description = "Pushed (and converted, unless `wait` was false); the sandbox keeps running", body = SnapshotInfo),
+        (status = 400, description = "A bad tag, or a sandbox without a writable disk or an image", body = ErrorBody),
+        (status = 404, body = ErrorBody),
+        (status = 409, description = "The sandbox is not running", body = ErrorBody),
+        (status = 503, description = "The registry refused or is unreachable", body = ErrorBody)),
+    security((), ("bearer" = [])))]
+async fn snapshot_sandbox(
+    State(node): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+    body: Result<Json<CreateSnapshot>, JsonRejection>,
+) -> Answer<Response> {
+    let (id, r) = (path(id)?, json(body)?);
+    let info = node.snapshot(&id, &r).await?;
+    Ok((StatusCode::CREATED, Json(info)).into_response())
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", params(("id" = String, Path)),

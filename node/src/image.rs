@@ -19,6 +19,7 @@ use amber_oci::media::ACCEPT_IMAGE_MANIFEST;
 use amber_oci::reference::{ImageRef, RefError};
 use amber_snapshotter::source::RegistryClient;
 
+pub use amber_api::node::Parent;
 pub use amber_oci::config::RunConfig;
 
 /// Why a reference could not be resolved to something bootable.
@@ -75,6 +76,35 @@ pub struct Resolved {
     pub image_digest: Option<String>,
     pub env: EnvDigest,
     pub config: RunConfig,
+    /// The snapshots' images this image was made from, nearest first (empty for an
+    /// image that is not a snapshot): its manifest's lineage annotation.
+    pub parents: Vec<Parent>,
+}
+
+/// The manifest annotation (OCI's) naming the image a snapshot was made on:
+/// `repository@sha256:…`.
+pub const BASE_NAME_ANNOTATION: &str = "org.opencontainers.image.base.name";
+/// The manifest annotation (OCI's) with the base image's manifest digest.
+pub const BASE_DIGEST_ANNOTATION: &str = "org.opencontainers.image.base.digest";
+/// The manifest annotation with a snapshot's whole lineage: a JSON list of [`Parent`],
+/// nearest first (the base image, then the image that one was made on, and so on).
+pub const PARENTS_ANNOTATION: &str = "dev.amber.snapshot.parents";
+
+/// The lineage an image manifest's annotations record (nothing when there is none or it
+/// does not read as one: lineage is information, never a reason not to run).
+pub fn parents_of(annotations: Option<&serde_json::Value>) -> Vec<Parent> {
+    annotations
+        .and_then(|a| a.get(PARENTS_ANNOTATION))
+        .and_then(|v| v.as_str())
+        .and_then(|s| serde_json::from_str(s).ok())
+        .unwrap_or_default()
+}
+
+/// An image manifest and its config, both verified against their digests.
+pub struct ImageDocs {
+    pub manifest: amber_oci::manifest::ParsedManifest,
+    pub manifest_bytes: Vec<u8>,
+    pub config_bytes: Vec<u8>,
 }
 
 /// `reference` pinned to `image_digest` (`[host/]name@sha256:…`), so whoever resolves it
@@ -119,7 +149,7 @@ async fn read_bounded(
     Ok(Some(body))
 }
 
-async fn get(
+pub(crate) async fn get(
     registry: &RegistryClient,
     url: &str,
     accept: &str,
@@ -191,6 +221,7 @@ pub async fn resolve(
                 image_digest: None,
                 env,
                 config: RunConfig::default(),
+                parents: Vec::new(),
             })
         }
         ImageRef::Image(n) => n,
@@ -243,6 +274,28 @@ pub async fn resolve(
             });
         }
     }
+    let docs = fetch_image(registry, repo.as_str(), &image).await?;
+    let config_digest = &docs.manifest.config().expect("an image").digest;
+    let config = ImageConfig::parse(&docs.config_bytes).map_err(|e| ImageError::Invalid {
+        object: "image config".into(),
+        digest: config_digest.to_string(),
+        why: e.to_string(),
+    })?;
+    Ok(Resolved {
+        reference: reference.into(),
+        image_digest: Some(image.to_string()),
+        env,
+        config: config.run,
+        parents: parents_of(docs.manifest.annotations.as_ref()),
+    })
+}
+
+/// The image manifest `image` of `repo` and its config, each checked against its digest.
+pub async fn fetch_image(
+    registry: &RegistryClient,
+    repo: &str,
+    image: &Digest,
+) -> Result<ImageDocs, ImageError> {
     let manifest = verified(
         get(
             registry,
@@ -251,7 +304,7 @@ pub async fn resolve(
             MAX_MANIFEST_BYTES,
         )
         .await?,
-        &image,
+        image,
         &format!("image manifest of {repo}"),
     )?;
     let invalid = |object: &str, digest: &Digest, why: String| ImageError::Invalid {
@@ -260,11 +313,11 @@ pub async fn resolve(
         why,
     };
     let parsed = parse_manifest(&manifest, None)
-        .map_err(|e| invalid("image manifest", &image, e.to_string()))?;
+        .map_err(|e| invalid("image manifest", image, e.to_string()))?;
     if parsed.kind != ManifestKind::Image {
         return Err(invalid(
             "image manifest",
-            &image,
+            image,
             "resolve named an index, not an image".into(),
         ));
     }
@@ -280,13 +333,10 @@ pub async fn resolve(
         &config_desc.digest,
         &format!("image config of {repo}"),
     )?;
-    let config = ImageConfig::parse(&config_bytes)
-        .map_err(|e| invalid("image config", &config_desc.digest, e.to_string()))?;
-    Ok(Resolved {
-        reference: reference.into(),
-        image_digest: Some(image.to_string()),
-        env,
-        config: config.run,
+    Ok(ImageDocs {
+        manifest: parsed,
+        manifest_bytes: manifest,
+        config_bytes,
     })
 }
 

@@ -15,6 +15,7 @@
 //! - `service`: every sandbox of the node, limits, lifetimes, commands (`process`) and
 //!   files (`files`); `http`: the node API over it (OpenAPI); `daemon`: `amberd`, the one
 //!   process per node serving it; `client`: the Rust client of that API;
+//! - `snapshot`: a sandbox's files committed as a new image (one more layer);
 //! - `run`: one-shot runs (`amber run`, `amber reproduce`); `receipt`: what a run
 //!   depended on.
 
@@ -35,6 +36,7 @@ pub mod run;
 pub mod sandbox;
 pub mod service;
 pub mod session;
+pub mod snapshot;
 pub mod vm;
 
 /// The node's directory when `AMBER_HOME` is not set: `~/.cache/amber`.

@@ -1,4 +1,5 @@
-//! Receipts: every digest a run depended on (image, env, kernel, initramfs), the VM shape,
+//! Receipts: every digest a run depended on (image, env, kernel, initramfs, and a
+//! snapshot's lineage), the VM shape,
 //! the exact request, and the exit status and output digests. `amber reproduce` boots
 //! exactly those bytes and compares the outcome.
 
@@ -36,6 +37,10 @@ pub struct Receipt {
     pub exit_status: i32,
     pub stdout: String,
     pub stderr: String,
+    /// When the image is a snapshot: the images it was made from, nearest first, each
+    /// with its env digest (receipts from before snapshots have none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parents: Vec<amber_api::node::Parent>,
 }
 
 /// `qemu-system-x86_64 --version`, first line.

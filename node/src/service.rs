@@ -22,8 +22,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use amber_api::node::{
-    CachedEnv, CreateSandbox, ErrorKind, ExecRequest, NodeInfo, ProcessInfo, Resources,
-    SandboxInfo, SandboxStatus,
+    CachedEnv, CreateSandbox, CreateSnapshot, ErrorKind, ExecRequest, NodeInfo, ProcessInfo,
+    Resources, SandboxInfo, SandboxStatus, SnapshotInfo,
 };
 use amber_guest::Request;
 use amber_snapshotter::device::LazyDevice;
@@ -38,6 +38,7 @@ use crate::mux::Mux;
 use crate::process::{Process, Retain};
 use crate::run::{self, LaunchError, VmOptions};
 use crate::sandbox::{Launch, Sandbox};
+use crate::snapshot::{self, SnapshotError};
 
 /// Ended sandboxes kept for `get` and `list`.
 const ENDED_KEPT: usize = 4096;
@@ -134,6 +135,20 @@ impl From<LaunchError> for NodeError {
     }
 }
 
+impl From<SnapshotError> for NodeError {
+    fn from(e: SnapshotError) -> NodeError {
+        let text = e.to_string();
+        match e {
+            SnapshotError::Refused(_) => NodeError::BadRequest(text),
+            SnapshotError::Image(i) => NodeError::from(LaunchError::Image(i)),
+            SnapshotError::Guest(_) | SnapshotError::Io { .. } => NodeError::Internal(text),
+            SnapshotError::VmGone
+            | SnapshotError::Unreachable { .. }
+            | SnapshotError::Registry { .. } => NodeError::Unavailable(text),
+        }
+    }
+}
+
 fn status_name(s: SandboxStatus) -> &'static str {
     match s {
         SandboxStatus::Creating => "creating",
@@ -175,6 +190,8 @@ pub struct Running {
     pub mux: Mux,
     pub device: Arc<LazyDevice>,
     pub defaults: Arc<ExecDefaults>,
+    /// The guest agent's protocol version.
+    pub protocol: u32,
 }
 
 struct Entry {
@@ -522,6 +539,7 @@ impl Node {
             kernel: kernel_digest,
             initramfs: initramfs_digest,
             accel: launch.shape.accel.clone(),
+            parents: resolved.parents.clone(),
         };
         let record = Record {
             info: info.clone(),
@@ -804,6 +822,87 @@ impl Node {
         Ok(procs.values().map(|p| p.info()).collect())
     }
 
+    /// Commits the sandbox's files as a new image (its image and one layer of what it
+    /// changed, frozen at one instant); the sandbox keeps running. With `wait`, answers
+    /// once the registry has converted it.
+    pub async fn snapshot(&self, id: &str, r: &CreateSnapshot) -> Result<SnapshotInfo, NodeError> {
+        let (running, _activity) = self.running(id).await?;
+        let e = self.entry(id)?;
+        let info = e.info.lock().unwrap().clone();
+        if info.disk_mib == 0 {
+            return Err(bad(format!(
+                "sandbox {id} keeps its writes in guest memory (created with disk_mib 0): a snapshot needs its writable disk"
+            )));
+        }
+        let (Some(image_digest), Ok(amber_oci::reference::ImageRef::Image(name))) = (
+            info.image_digest.as_deref(),
+            amber_oci::reference::ImageRef::parse(&info.image),
+        ) else {
+            return Err(bad(format!(
+                "sandbox {id} was created from an env digest ({}): a snapshot is a layer on an image; create the sandbox from name:tag or name@sha256:…",
+                info.image
+            )));
+        };
+        if running.protocol < amber_guest::SNAPSHOT_PROTOCOL {
+            return Err(bad(format!(
+                "sandbox {id}'s guest agent speaks protocol {}, which has no snapshots (version {} and later do): it boots an older initramfs",
+                running.protocol,
+                amber_guest::SNAPSHOT_PROTOCOL
+            )));
+        }
+        let image_digest: amber_oci::digest::Digest = image_digest
+            .parse()
+            .map_err(|e| NodeError::Internal(format!("sandbox {id}'s image digest: {e}")))?;
+        let base_repo = name.repository.to_string();
+        let target = snapshot::target(&self.registry, &base_repo, r.tag.as_deref())?;
+        let started = Instant::now();
+        let file = sandboxes_dir(&self.home).join(id).join(format!(
+            "snapshot-{}.tar.gz",
+            run::new_id().map_err(|e| NodeError::Internal(e.to_string()))?
+        ));
+        let layer = snapshot::take_layer(&running.mux, &file).await?;
+        let frozen_ms = started.elapsed().as_millis() as u64;
+        let base = snapshot::Base {
+            repository: &base_repo,
+            image_digest: &image_digest,
+            env_digest: &info.env_digest,
+            parents: &info.parents,
+        };
+        let committed = snapshot::commit(&self.registry, &base, &layer, &target, id).await;
+        let _ = std::fs::remove_file(&file);
+        let committed = committed?;
+        let pushed_ms = started.elapsed().as_millis() as u64;
+        let (env_digest, converted_ms) = if r.wait {
+            let resolved = crate::image::resolve(
+                &self.registry,
+                &committed.reference,
+                Duration::from_secs(600),
+            )
+            .await
+            .map_err(|e| NodeError::from(LaunchError::from(e)))?;
+            (
+                Some(resolved.env.to_string()),
+                Some(started.elapsed().as_millis() as u64),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(SnapshotInfo {
+            sandbox: id.to_string(),
+            image: committed.reference,
+            tag: committed.tag,
+            image_digest: committed.image_digest.to_string(),
+            env_digest,
+            layer_digest: layer.digest.to_string(),
+            layer_bytes: layer.size,
+            diff_bytes: layer.diff_bytes,
+            frozen_ms,
+            pushed_ms,
+            converted_ms,
+            parents: committed.parents,
+        })
+    }
+
     /// The node's capacity, what is used, and what its cache holds (of `image` too).
     pub async fn info(&self, image: Option<&str>) -> Result<NodeInfo, NodeError> {
         // A node that was never set up still serves sandboxes whose boot files are pinned.
@@ -890,6 +989,7 @@ async fn lifecycle(node: Arc<Node>, e: Arc<Entry>) {
                 mux: sandbox.vm.mux.clone(),
                 device: sandbox.device().clone(),
                 defaults: Arc::new(e.defaults()),
+                protocol: sandbox.vm.protocol,
             }));
             let ended = watch(&e, &mut sandbox).await;
             match ended {

@@ -213,6 +213,8 @@ pub struct Vm {
     qemu: tokio::process::Child,
     pub mux: Mux,
     console: PathBuf,
+    /// The guest protocol version the agent said it speaks in `READY`.
+    pub protocol: u32,
 }
 
 impl Vm {
@@ -281,7 +283,12 @@ impl Vm {
         }
         let stream = stream.ok_or_else(|| VmError::NoControlSocket(ctl.clone()))?;
         let (mux, _) = Mux::new(stream);
-        let vm = Vm { qemu, mux, console };
+        let mut vm = Vm {
+            qemu,
+            mux,
+            console,
+            protocol: 0,
+        };
         let mut control = vm.mux.session(0);
         control
             .tx
@@ -293,6 +300,7 @@ impl Vm {
                 Some(f) if f.kind == READY => {
                     let ready = amber_guest::Ready::parse(&f.payload).map_err(VmError::Protocol)?;
                     ready.check().map_err(VmError::Protocol)?;
+                    vm.protocol = ready.protocol;
                     return Ok(vm);
                 }
                 Some(f) if f.kind == ERROR => {

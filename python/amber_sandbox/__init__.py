@@ -23,11 +23,12 @@ from .errors import (
     Unavailable,
 )
 from .sync import Amber, Sandbox
-from .types import ExecFrame, ExecResult, NodeInfo, ProcessInfo, SandboxInfo
+from .types import ExecFrame, ExecResult, NodeInfo, Parent, ProcessInfo, SandboxInfo, SnapshotInfo
 
 __all__ = [
     "Amber", "AsyncAmber", "AsyncNode", "AsyncSandbox", "NodeAddress", "Sandbox",
     "AmberError", "BadRequest", "CapacityError", "CommandTimeout", "ImageNotFound",
     "IntegrityError", "NodeUnreachable", "NotFound", "SandboxNotRunning", "Unauthorized",
     "Unavailable", "ExecFrame", "ExecResult", "NodeInfo", "ProcessInfo", "SandboxInfo",
+    "Parent", "SnapshotInfo",
 ]

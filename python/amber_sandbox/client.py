@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 import httpx
 
 from .errors import BY_KIND, AmberError, CapacityError, CommandTimeout, NodeUnreachable
-from .types import ExecFrame, ExecResult, NodeInfo, ProcessInfo, SandboxInfo
+from .types import ExecFrame, ExecResult, NodeInfo, ProcessInfo, SandboxInfo, SnapshotInfo
 
 
 def _raise_for(r: httpx.Response) -> None:
@@ -129,6 +129,13 @@ class AsyncNode:
     async def set_timeout(self, sandbox_id: str, lifetime_s: int) -> SandboxInfo:
         r = await self._request("PUT", f"/v1/sandboxes/{sandbox_id}/timeout", json={"lifetime_s": lifetime_s})
         return SandboxInfo.parse(r.json())
+
+    async def snapshot(self, sandbox_id: str, tag: str | None = None, wait: bool = True) -> SnapshotInfo:
+        body: dict[str, Any] = {"wait": wait}
+        if tag is not None:
+            body["tag"] = tag
+        r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/snapshot", json=body)
+        return SnapshotInfo.parse(r.json())
 
     async def exec(self, sandbox_id: str, body: Mapping[str, Any]) -> ExecResult:
         r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body)
@@ -303,6 +310,11 @@ class AsyncSandbox:
         self.info = await self.node.set_timeout(self.id, lifetime_s)
         return self.info
 
+    async def snapshot(self, tag: str | None = None, wait: bool = True) -> SnapshotInfo:
+        """Commit this sandbox's files as a new image (it keeps running). The answer's
+        `image` is what `AsyncAmber.create` and `fork` take, and `docker pull`."""
+        return await self.node.snapshot(self.id, tag=tag, wait=wait)
+
     async def delete(self) -> SandboxInfo:
         self.info = await self.node.delete(self.id)
         return self.info
@@ -394,6 +406,35 @@ class AsyncAmber:
             wait=wait,
         )
         return AsyncSandbox(target, info)
+
+    async def fork(self, image: str, n: int, **spec: Any) -> list[AsyncSandbox]:
+        """`n` sandboxes of `image` (a snapshot's `image`, or any reference), placed over
+        the nodes and created per node in one batch request. Raises the first error if
+        any sandbox did not start, after deleting those that did."""
+        if n < 1:
+            raise ValueError("fork at least one sandbox")
+        cpus, memory_mib = spec.get("cpus", 1), spec.get("memory_mib", 512)
+        shares: dict[int, tuple[AsyncNode, int]] = {}
+        for _ in range(n):
+            node = await self.place(image, cpus, memory_mib)
+            prev = shares.get(id(node), (node, 0))[1]
+            shares[id(node)] = (node, prev + 1)
+        body = {k: v for k, v in spec.items() if v is not None}
+        results = await asyncio.gather(
+            *(node.create_batch([dict(body, image=image)] * k) for node, k in shares.values())
+        )
+        made: list[AsyncSandbox] = []
+        errors: list[AmberError] = []
+        for (node, _), items in zip(shares.values(), results):
+            for item in items:
+                if isinstance(item, AmberError):
+                    errors.append(item)
+                else:
+                    made.append(AsyncSandbox(node, item))
+        if errors:
+            await asyncio.gather(*(s.delete() for s in made), return_exceptions=True)
+            raise errors[0]
+        return made
 
     async def list(self, labels: Mapping[str, str] | None = None) -> list[AsyncSandbox]:
         lists = await asyncio.gather(*(n.list(labels) for n in self.nodes))

@@ -7,7 +7,7 @@ import threading
 from typing import Any, Iterator
 
 from .client import AsyncAmber, AsyncSandbox
-from .types import ExecFrame, ExecResult, SandboxInfo
+from .types import ExecFrame, ExecResult, SandboxInfo, SnapshotInfo
 
 
 class _Loop:
@@ -72,6 +72,9 @@ class Sandbox:
     def refresh(self) -> SandboxInfo:
         return self._loop.run(self._inner.refresh())
 
+    def snapshot(self, tag: str | None = None, wait: bool = True) -> SnapshotInfo:
+        return self._loop.run(self._inner.snapshot(tag=tag, wait=wait))
+
     def delete(self) -> SandboxInfo:
         return self._loop.run(self._inner.delete())
 
@@ -89,6 +92,9 @@ class Amber:
 
     def create(self, image: str, **kw) -> Sandbox:
         return Sandbox(self._loop, self._loop.run(self._inner.create(image, **kw)))
+
+    def fork(self, image: str, n: int, **kw) -> list[Sandbox]:
+        return [Sandbox(self._loop, s) for s in self._loop.run(self._inner.fork(image, n, **kw))]
 
     def list(self, labels=None) -> list[Sandbox]:
         return [Sandbox(self._loop, s) for s in self._loop.run(self._inner.list(labels))]

@@ -12,6 +12,14 @@ def _from(cls, d: dict[str, Any]):
 
 
 @dataclass
+class Parent:
+    """One image of a snapshot's lineage."""
+
+    image: str
+    env_digest: str
+
+
+@dataclass
 class SandboxInfo:
     id: str
     image: str
@@ -30,10 +38,37 @@ class SandboxInfo:
     expires_at: int | None = None
     idle_timeout_s: int | None = None
     disk_mib: int = 0
+    parents: list[Parent] = field(default_factory=list)
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> "SandboxInfo":
-        return _from(cls, d)
+        info = _from(cls, d)
+        info.parents = [_from(Parent, p) for p in d.get("parents", [])]
+        return info
+
+
+@dataclass
+class SnapshotInfo:
+    """A snapshot: an ordinary image in the registry (`image` is `repo@sha256:…`)."""
+
+    sandbox: str
+    image: str
+    image_digest: str
+    layer_digest: str
+    layer_bytes: int
+    diff_bytes: int
+    frozen_ms: int
+    pushed_ms: int
+    tag: str | None = None
+    env_digest: str | None = None
+    converted_ms: int | None = None
+    parents: list[Parent] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> "SnapshotInfo":
+        info = _from(cls, d)
+        info.parents = [_from(Parent, p) for p in d.get("parents", [])]
+        return info
 
 
 @dataclass

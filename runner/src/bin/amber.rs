@@ -58,6 +58,21 @@ enum Cmd {
         #[arg(required = true)]
         ids: Vec<String>,
     },
+    /// Commit a sandbox's files as a new image (its image plus one layer of its changes)
+    /// and print the image's pinned reference; the sandbox keeps running.
+    Snapshot {
+        id: String,
+        /// Push the image under name or name:tag (by default: the sandbox's repository,
+        /// by digest only).
+        #[arg(long)]
+        tag: Option<String>,
+        /// Do not wait for the registry to convert it.
+        #[arg(long)]
+        no_wait: bool,
+        /// Print the whole answer (digests, sizes, times, lineage) as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// List the sandboxes running on this node.
     Ps,
     /// Boot exactly what a receipt pinned and run its command again.
@@ -150,6 +165,10 @@ struct CreateArgs {
     /// label key=value (repeatable).
     #[arg(long = "label", short = 'l')]
     labels: Vec<String>,
+    /// Create this many sandboxes of REF in one request (a fork of a snapshot); prints
+    /// one id per line.
+    #[arg(long, default_value_t = 1)]
+    count: u32,
 }
 
 #[derive(clap::Args)]
@@ -261,6 +280,25 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
             for id in ids {
                 client.delete(&id).await?;
                 println!("{id}");
+            }
+            Ok(0)
+        }
+        Cmd::Snapshot {
+            id,
+            tag,
+            no_wait,
+            json,
+        } => {
+            let client = running_client(&node);
+            let req = amber_api::node::CreateSnapshot {
+                tag,
+                wait: !no_wait,
+            };
+            let s = client.snapshot(&id, &req).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                println!("{}", s.image);
             }
             Ok(0)
         }
@@ -405,6 +443,7 @@ async fn run_cmd(registry: &RegistryClient, node: &Path, a: RunArgs) -> anyhow::
             exit_status: out.status,
             stdout: out.stdout.clone(),
             stderr: out.stderr.clone(),
+            parents: resolved.parents.clone(),
         };
         std::fs::write(path, serde_json::to_vec_pretty(&r)?)
             .with_context(|| format!("writing receipt {}", path.display()))?;
@@ -478,9 +517,27 @@ async fn create(registry: &RegistryClient, node: &Path, a: CreateArgs) -> anyhow
     }
     c.lifetime_s = a.lifetime;
     c.idle_timeout_s = a.idle_timeout;
-    let s = client.create(&c).await?;
-    println!("{}", s.id);
-    Ok(0)
+    if a.count == 1 {
+        let s = client.create(&c).await?;
+        println!("{}", s.id);
+        return Ok(0);
+    }
+    anyhow::ensure!(a.count > 0, "--count must be at least 1");
+    let batch = amber_api::node::CreateBatch {
+        sandboxes: vec![c; a.count as usize],
+    };
+    let mut failed = 0;
+    for item in client.create_batch(&batch).await?.results {
+        match (item.sandbox, item.error) {
+            (Some(s), _) => println!("{}", s.id),
+            (None, Some(e)) => {
+                eprintln!("amber: {}", e.message);
+                failed += 1;
+            }
+            (None, None) => failed += 1,
+        }
+    }
+    Ok(if failed == 0 { 0 } else { 1 })
 }
 
 async fn exec(node: &Path, a: ExecArgs) -> anyhow::Result<i32> {
