@@ -14,6 +14,8 @@
 //! - `PUT|GET /v1/sandboxes/{id}/files?path=` raw bytes; `PUT|GET …/archive?path=` a tar;
 //! - `POST /v1/sandboxes/{id}/snapshot` `CreateSnapshot` -> 201 `SnapshotInfo` (the
 //!   sandbox's files as a new image in the registry; the sandbox keeps running);
+//! - `POST /v1/sandboxes/{id}/pause` -> `SandboxInfo` (`paused`: saved to a file, its
+//!   vCPUs and memory free), `POST …/resume` -> `SandboxInfo` (running where it was);
 //! - `GET /v1/node[?image=REF]` -> `NodeInfo`; `GET /v1/health`; `GET /v1/openapi.json`.
 //!
 //! Every error is `ErrorBody` with a stable `kind` a client can branch on.
@@ -112,6 +114,9 @@ pub enum SandboxStatus {
     Failed,
     /// It was running when its `amberd` stopped; its VM was stopped with it.
     Lost,
+    /// Saved to a file on its node (memory, devices, disk) and not running: `resume`
+    /// continues it where it was. Its vCPUs and memory are free for others meanwhile.
+    Paused,
 }
 
 /// A sandbox as the node sees it.
@@ -145,6 +150,9 @@ pub struct SandboxInfo {
     /// nearest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub parents: Vec<Parent>,
+    /// While paused: the bytes of its saved memory and device state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_bytes: Option<u64>,
 }
 
 /// One image in a snapshot's lineage.

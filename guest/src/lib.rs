@@ -42,6 +42,14 @@ pub const SHUTDOWN: u8 = 8;
 /// to the env as an OCI layer (an uncompressed tar in `DATA` frames, an empty `DATA`
 /// ends it, written by [`layer::write`]), thaw it, and `EXIT` 0. Protocol 2 and later.
 pub const SNAPSHOT: u8 = 9;
+/// Session 0: the host is about to stop the VM and save it (pause). The agent finishes
+/// the frame it is writing, answers `QUIESCED`, and writes nothing more until `RESUME`;
+/// the host writes nothing after `PAUSE` but `RESUME`. Both directions of the port are
+/// then at a frame boundary, so the saved VM resumes on a new connection cleanly.
+/// Protocol 2 and later.
+pub const PAUSE: u8 = 10;
+/// Session 0, payload JSON [`Resume`]: the VM was restored; set the clock and go on.
+pub const RESUME: u8 = 11;
 
 // Guest -> host.
 pub const STDOUT: u8 = 16;
@@ -54,15 +62,18 @@ pub const EXIT: u8 = 18;
 pub const ERROR: u8 = 19;
 /// Session 0, payload JSON [`Ready`]: the root is mounted; sessions may be opened.
 pub const READY: u8 = 20;
+/// Session 0: the answer to `PAUSE`.
+pub const QUIESCED: u8 = 21;
 
 /// The version of this protocol the agent speaks, sent in `READY`. Raise it with any
 /// change a host of the previous version would misread; a host accepts every version
 /// from [`MIN_PROTOCOL_VERSION`] to [`PROTOCOL_VERSION`].
 ///
 /// History: 0 (an empty `READY` payload) is the protocol before versions were sent;
-/// 1 has the same frames and sends its version; 2 adds `SNAPSHOT`.
+/// 1 has the same frames and sends its version; 2 adds `SNAPSHOT`, `PAUSE`, `QUIESCED`
+/// and `RESUME`.
 pub const PROTOCOL_VERSION: u32 = 2;
-/// The first protocol version with `SNAPSHOT`.
+/// The first protocol version with `SNAPSHOT` and `PAUSE`.
 pub const SNAPSHOT_PROTOCOL: u32 = 2;
 /// The oldest agent protocol this host still drives (old receipts boot old initramfs).
 pub const MIN_PROTOCOL_VERSION: u32 = 0;
@@ -148,6 +159,14 @@ pub struct Put {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Get {
     pub path: String,
+}
+
+/// What the host says when it resumes a saved VM.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Resume {
+    /// The host's clock (nanoseconds since the Unix epoch): the guest's stood still while
+    /// it was saved.
+    pub unix_ns: u64,
 }
 
 /// What a `SNAPSHOT` session asks: nothing yet (room for options).

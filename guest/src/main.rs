@@ -23,7 +23,7 @@ use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex};
 
 use amber_guest::{
-    read_frame, Boot, Frame, Get, Put, Request, BOOT, DATA, EXEC, GET, PUT, READY, SHUTDOWN,
+    read_frame, Boot, Frame, Get, Put, Request, BOOT, DATA, EXEC, GET, PAUSE, PUT, READY, SHUTDOWN,
     SIGNAL, SNAPSHOT, STDIN,
 };
 
@@ -82,6 +82,7 @@ fn dispatch(mut input: File, port: Port, module_failures: &[String]) -> Result<(
                 }
             }
             SHUTDOWN => return Ok(()),
+            PAUSE => pause(&mut input, &port)?,
             EXEC | PUT | GET | SNAPSHOT if !booted || session == 0 => {
                 port.fail(session, "the sandbox is not booted", 125)
             }
@@ -160,6 +161,39 @@ fn dispatch(mut input: File, port: Port, module_failures: &[String]) -> Result<(
                 }
             }
             other => eprintln!("amber-guest: ignoring frame kind {other} for session {session}"),
+        }
+    }
+}
+
+/// Answers `PAUSE`: holds the port's write lock (no thread writes a frame) from the
+/// `QUIESCED` answer until the host's `RESUME`, then sets the clock the host sent.
+fn pause(input: &mut File, port: &Port) -> Result<(), String> {
+    let mut out = port.0.lock().unwrap_or_else(|p| p.into_inner());
+    amber_guest::write_frame(&mut *out, amber_guest::QUIESCED, 0, &[])
+        .map_err(|e| format!("writing to the host: {e}"))?;
+    loop {
+        match read_frame(input) {
+            Ok(Some(f)) if f.kind == amber_guest::RESUME => {
+                if let Ok(r) = serde_json::from_slice::<amber_guest::Resume>(&f.payload) {
+                    let ts = libc::timespec {
+                        tv_sec: (r.unix_ns / 1_000_000_000) as libc::time_t,
+                        tv_nsec: (r.unix_ns % 1_000_000_000) as libc::c_long,
+                    };
+                    // SAFETY: a valid timespec; PID 1 runs as root.
+                    if r.unix_ns > 0
+                        && unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0
+                    {
+                        eprintln!(
+                            "amber-guest: setting the clock: {}",
+                            std::io::Error::last_os_error()
+                        );
+                    }
+                }
+                return Ok(());
+            }
+            Ok(Some(f)) => eprintln!("amber-guest: frame kind {} while paused, ignored", f.kind),
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(format!("reading from the host: {e}")),
         }
     }
 }

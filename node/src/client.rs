@@ -138,6 +138,16 @@ impl NodeClient {
         Self::read(self.send(self.http.post(url).json(c)).await?).await
     }
 
+    pub async fn pause(&self, id: &str) -> Result<SandboxInfo, ClientError> {
+        let url = Self::url(&format!("/v1/sandboxes/{id}/pause"));
+        Self::read(self.send(self.http.post(url)).await?).await
+    }
+
+    pub async fn resume(&self, id: &str) -> Result<SandboxInfo, ClientError> {
+        let url = Self::url(&format!("/v1/sandboxes/{id}/resume"));
+        Self::read(self.send(self.http.post(url)).await?).await
+    }
+
     /// A connection to the sandbox carrying the guest protocol's frames.
     pub async fn attach(&self, id: &str) -> Result<Mux, ClientError> {
         let r = self

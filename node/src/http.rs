@@ -104,7 +104,7 @@ fn query<T>(q: Result<Query<T>, QueryRejection>) -> Answer<T> {
     ),
     paths(
         create_sandbox, create_batch, list_sandboxes, delete_by_labels, get_sandbox,
-        wait_sandbox, delete_sandbox, set_timeout, snapshot_sandbox, exec, exec_stream, start_process,
+        wait_sandbox, delete_sandbox, set_timeout, snapshot_sandbox, pause_sandbox, resume_sandbox, exec, exec_stream, start_process,
         list_processes, get_process, process_output, signal_process, put_file, get_file,
         put_archive, get_archive, attach, node_info, health, openapi_json
     ),
@@ -150,6 +150,8 @@ pub fn router(node: Arc<Node>, token: Option<String>) -> Router {
         .route("/v1/sandboxes/{id}/wait", get(wait_sandbox))
         .route("/v1/sandboxes/{id}/timeout", put(set_timeout))
         .route("/v1/sandboxes/{id}/snapshot", post(snapshot_sandbox))
+        .route("/v1/sandboxes/{id}/pause", post(pause_sandbox))
+        .route("/v1/sandboxes/{id}/resume", post(resume_sandbox))
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/exec/stream", post(exec_stream))
         .route(
@@ -405,6 +407,35 @@ async fn snapshot_sandbox(
     let (id, r) = (path(id)?, json(body)?);
     let info = node.snapshot(&id, &r).await?;
     Ok((StatusCode::CREATED, Json(info)).into_response())
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/pause", params(("id" = String, Path)),
+    responses(
+        (status = 200, description = "Paused: saved to a file on the node (`state_bytes`), no VM runs", body = SandboxInfo),
+        (status = 400, description = "Already paused, or an agent too old to pause", body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
+        (status = 500, description = "Saving failed; the sandbox ended", body = ErrorBody)),
+    security((), ("bearer" = [])))]
+async fn pause_sandbox(
+    State(node): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+) -> Answer<Json<SandboxInfo>> {
+    Ok(Json(node.pause(&path(id)?).await?))
+}
+
+#[utoipa::path(post, path = "/v1/sandboxes/{id}/resume", params(("id" = String, Path)),
+    responses(
+        (status = 200, description = "Running again where it was paused", body = SandboxInfo),
+        (status = 400, description = "Not paused", body = ErrorBody),
+        (status = 404, body = ErrorBody), (status = 409, body = ErrorBody),
+        (status = 429, description = "No room on the node for its vCPUs and memory now", body = ErrorBody),
+        (status = 503, description = "Restoring failed; the sandbox ended", body = ErrorBody)),
+    security((), ("bearer" = [])))]
+async fn resume_sandbox(
+    State(node): State<AppState>,
+    id: Result<Path<String>, PathRejection>,
+) -> Answer<Json<SandboxInfo>> {
+    Ok(Json(node.resume(&path(id)?).await?))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/exec", params(("id" = String, Path)),

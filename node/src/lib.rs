@@ -9,7 +9,8 @@
 //!   byte verified against its digest;
 //! - `command`: `docker run`/`docker exec` semantics (argv, environment, cwd, user);
 //! - `exports`: the per-process chunk cache and one shared NBD export per env;
-//! - `vm`: QEMU microvm and the agent's protocol version check; `mux` and `session`:
+//! - `vm`: QEMU microvm, the agent's protocol version check, pause and restore through
+//!   `qmp`; `mux` and `session`:
 //!   the guest protocol's sessions (exec, copies) over a stream;
 //! - `sandbox`: a VM on its env's export, and the relay of an attached client's sessions;
 //! - `service`: every sandbox of the node, limits, lifetimes, commands (`process`) and
@@ -31,6 +32,7 @@ pub mod initramfs;
 pub mod kernel;
 pub mod mux;
 pub mod process;
+pub mod qmp;
 pub mod receipt;
 pub mod run;
 pub mod sandbox;

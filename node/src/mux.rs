@@ -25,6 +25,8 @@ struct Inner {
     next: AtomicU32,
     /// True once the stream's reading side ended.
     closed: tokio::sync::watch::Sender<bool>,
+    /// Set (under the writer's lock) by `seal_with`: no frame is written after it.
+    sealed: std::sync::atomic::AtomicBool,
 }
 
 /// One framed stream; cheap to clone.
@@ -64,6 +66,7 @@ impl Mux {
             unrouted: Mutex::new(Some(tx)),
             next: AtomicU32::new(1),
             closed: tokio::sync::watch::channel(false).0,
+            sealed: std::sync::atomic::AtomicBool::new(false),
         }));
         let inner = mux.0.clone();
         tokio::spawn(async move {
@@ -125,6 +128,23 @@ impl Mux {
 
     pub async fn send(&self, kind: u8, session: u32, payload: &[u8]) -> io::Result<()> {
         let mut w = self.0.writer.lock().await;
+        if self.0.sealed.load(Ordering::SeqCst) {
+            return Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the VM is being paused",
+            ));
+        }
+        w.write_all(&amber_guest::header(kind, session, payload.len()))
+            .await?;
+        w.write_all(payload).await?;
+        w.flush().await
+    }
+
+    /// Writes one last frame: every `send` after it fails, so nothing follows it on the
+    /// stream (a VM being paused must see its last frame whole).
+    pub async fn seal_with(&self, kind: u8, session: u32, payload: &[u8]) -> io::Result<()> {
+        let mut w = self.0.writer.lock().await;
+        self.0.sealed.store(true, Ordering::SeqCst);
         w.write_all(&amber_guest::header(kind, session, payload.len()))
             .await?;
         w.write_all(payload).await?;

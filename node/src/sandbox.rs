@@ -71,6 +71,49 @@ pub struct Sandbox {
     pub vm: Vm,
     export: Arc<Export>,
     work: PathBuf,
+    spec: VmSpec,
+}
+
+/// A sandbox saved by `Sandbox::pause`: no QEMU runs; its memory and devices are in
+/// `state`, its writable disk where it was (`work`), and its env's export stays open.
+pub struct Paused {
+    export: Arc<Export>,
+    work: PathBuf,
+    spec: VmSpec,
+    protocol: u32,
+    pub state: PathBuf,
+}
+
+impl Paused {
+    /// Bytes of the saved VM state.
+    pub fn state_bytes(&self) -> u64 {
+        std::fs::metadata(&self.state).map_or(0, |m| m.len())
+    }
+
+    /// Starts the VM again where it was paused; the state file is removed once it runs.
+    /// On an error nothing is left of the sandbox.
+    pub async fn resume(self) -> Result<Sandbox, StartError> {
+        match Vm::restore(&self.spec, &self.state, self.protocol).await {
+            Ok(vm) => {
+                let _ = std::fs::remove_file(&self.state);
+                Ok(Sandbox {
+                    vm,
+                    export: self.export,
+                    work: self.work,
+                    spec: self.spec,
+                })
+            }
+            Err(e) => {
+                self.discard();
+                Err(StartError::Vm(e))
+            }
+        }
+    }
+
+    /// Removes what is left of the sandbox (its state, its disk).
+    pub fn discard(self) {
+        let _ = std::fs::remove_dir_all(&self.work);
+    }
 }
 
 impl Sandbox {
@@ -86,7 +129,12 @@ impl Sandbox {
             source,
         })?;
         match Self::boot(exports, &work, l).await {
-            Ok((export, vm)) => Ok(Sandbox { vm, export, work }),
+            Ok((export, vm, spec)) => Ok(Sandbox {
+                vm,
+                export,
+                work,
+                spec,
+            }),
             Err(e) => {
                 // Whatever failed, nothing of the sandbox stays on the node.
                 let _ = std::fs::remove_dir_all(&work);
@@ -101,7 +149,7 @@ impl Sandbox {
         exports: &Exports,
         work: &std::path::Path,
         l: &Launch,
-    ) -> Result<(Arc<Export>, Vm), StartError> {
+    ) -> Result<(Arc<Export>, Vm, VmSpec), StartError> {
         let export = exports.export(&l.env).await?;
         if l.prefetch {
             use futures_util::StreamExt;
@@ -145,7 +193,7 @@ impl Sandbox {
             work: work.to_path_buf(),
         };
         match Vm::boot(&spec, &l.boot).await {
-            Ok(vm) => Ok((export, vm)),
+            Ok(vm) => Ok((export, vm, spec)),
             Err(e) => Err(match export.device.integrity_failure() {
                 Some(i) => StartError::Integrity(i),
                 None => StartError::Vm(e),
@@ -162,6 +210,32 @@ impl Sandbox {
     /// The lazy device the VM's root reads.
     pub fn device(&self) -> &Arc<LazyDevice> {
         &self.export.device
+    }
+
+    /// Saves the VM into its work directory and stops QEMU (see `Vm::pause`). On an
+    /// error the VM is gone and nothing is left of the sandbox.
+    pub async fn pause(self) -> Result<Paused, VmError> {
+        let Sandbox {
+            vm,
+            export,
+            work,
+            spec,
+        } = self;
+        let protocol = vm.protocol;
+        let state = work.join("vm.state");
+        match vm.pause(&state).await {
+            Ok(()) => Ok(Paused {
+                export,
+                work,
+                spec,
+                protocol,
+                state,
+            }),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&work);
+                Err(e)
+            }
+        }
     }
 
     /// Stops the VM at once and removes the work directory.

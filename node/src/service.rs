@@ -156,6 +156,7 @@ fn status_name(s: SandboxStatus) -> &'static str {
         SandboxStatus::Stopped => "stopped",
         SandboxStatus::Failed => "failed",
         SandboxStatus::Lost => "lost",
+        SandboxStatus::Paused => "paused",
     }
 }
 
@@ -181,7 +182,23 @@ pub struct Record {
 enum Phase {
     Creating,
     Running(Running),
+    /// Being paused or resumed: commands wait, as while creating.
+    Busy,
+    Paused,
     Ended,
+}
+
+impl Phase {
+    /// Not in a transition: what waiters wait for.
+    fn settled(&self) -> bool {
+        !matches!(self, Phase::Creating | Phase::Busy)
+    }
+}
+
+/// What the lifecycle task is asked to do with the VM it owns.
+enum Control {
+    Pause(tokio::sync::oneshot::Sender<Result<SandboxInfo, NodeError>>),
+    Resume(tokio::sync::oneshot::Sender<Result<SandboxInfo, NodeError>>),
 }
 
 /// What sessions need of a running sandbox.
@@ -207,6 +224,9 @@ struct Entry {
     busy: AtomicUsize,
     processes: Mutex<BTreeMap<u32, Arc<Process>>>,
     next_process: AtomicU32,
+    control: tokio::sync::mpsc::Sender<Control>,
+    /// The other end of `control`, taken by the lifecycle task.
+    control_rx: Mutex<Option<tokio::sync::mpsc::Receiver<Control>>>,
 }
 
 impl Entry {
@@ -377,42 +397,56 @@ impl Node {
 
     /// Reserves room for `c` or says which limit it would pass.
     fn reserve(&self, inner: &mut Inner, c: &CreateSandbox) -> Result<(), NodeError> {
+        self.reserve_room(inner, 1, c.cpus, c.memory_mib)
+    }
+
+    /// Reserves `sandboxes`, `c` vCPUs and `m` MiB, or says which limit they would pass.
+    fn reserve_room(
+        &self,
+        inner: &mut Inner,
+        sandboxes: u32,
+        c: u32,
+        m: u32,
+    ) -> Result<(), NodeError> {
         let (n, cpus, mem) = inner.used;
         let l = &self.limits;
-        if n + 1 > l.sandboxes {
+        if n + sandboxes > l.sandboxes {
             return Err(NodeError::Capacity(format!(
                 "this node runs at most {} sandboxes and all are in use",
                 l.sandboxes
             )));
         }
-        if cpus + c.cpus > l.cpus {
+        if cpus + c > l.cpus {
             return Err(NodeError::Capacity(format!(
-                "this node has {} of {} vCPUs free, and the sandbox asks for {}",
+                "this node has {} of {} vCPUs free, and the sandbox asks for {c}",
                 l.cpus - cpus,
                 l.cpus,
-                c.cpus
             )));
         }
-        if mem + c.memory_mib as u64 > l.memory_mib {
+        if mem + m as u64 > l.memory_mib {
             return Err(NodeError::Capacity(format!(
-                "this node has {} of {} MiB of memory free, and the sandbox asks for {}",
+                "this node has {} of {} MiB of memory free, and the sandbox asks for {m}",
                 l.memory_mib - mem,
                 l.memory_mib,
-                c.memory_mib
             )));
         }
-        inner.used = (n + 1, cpus + c.cpus, mem + c.memory_mib as u64);
+        inner.used = (n + sandboxes, cpus + c, mem + m as u64);
         Ok(())
     }
 
-    fn release(&self, info: &SandboxInfo) {
+    /// Gives back what `info` holds: its vCPUs and memory, and its place (`sandbox`).
+    fn release_room(&self, info: &SandboxInfo, sandbox: bool) {
         let mut inner = self.inner.lock().unwrap();
         let (n, cpus, mem) = inner.used;
         inner.used = (
-            n.saturating_sub(1),
+            n.saturating_sub(u32::from(sandbox)),
             cpus.saturating_sub(info.cpus),
             mem.saturating_sub(info.memory_mib as u64),
         );
+    }
+
+    fn release(&self, info: &SandboxInfo) {
+        self.release_room(info, true);
     }
 
     /// Creates a sandbox; returns it, and whether it is new (false: the idempotency key
@@ -453,7 +487,7 @@ impl Node {
         let mut phase = entry.phase.subscribe();
         tokio::spawn(lifecycle(self.clone(), entry.clone()));
         if c.wait {
-            let _ = phase.wait_for(|p| !matches!(p, Phase::Creating)).await;
+            let _ = phase.wait_for(Phase::settled).await;
         }
         let info = entry.info.lock().unwrap().clone();
         if c.wait && info.status == SandboxStatus::Failed {
@@ -540,6 +574,7 @@ impl Node {
             initramfs: initramfs_digest,
             accel: launch.shape.accel.clone(),
             parents: resolved.parents.clone(),
+            state_bytes: None,
         };
         let record = Record {
             info: info.clone(),
@@ -557,6 +592,7 @@ impl Node {
                 )
             })
             .map_err(|e| NodeError::Internal(format!("writing {}: {e}", dir.display())))?;
+        let control = tokio::sync::mpsc::channel(4);
         let entry = Arc::new(Entry {
             id: id.to_string(),
             info: Mutex::new(info),
@@ -572,6 +608,8 @@ impl Node {
             busy: AtomicUsize::new(0),
             processes: Mutex::new(BTreeMap::new()),
             next_process: AtomicU32::new(1),
+            control: control.0,
+            control_rx: Mutex::new(Some(control.1)),
         });
         self.inner
             .lock()
@@ -620,9 +658,7 @@ impl Node {
     pub async fn wait(&self, id: &str, timeout: Duration) -> Result<SandboxInfo, NodeError> {
         if let Ok(e) = self.entry(id) {
             let mut phase = e.phase.subscribe();
-            let _ =
-                tokio::time::timeout(timeout, phase.wait_for(|p| !matches!(p, Phase::Creating)))
-                    .await;
+            let _ = tokio::time::timeout(timeout, phase.wait_for(Phase::settled)).await;
         }
         self.get(id)
     }
@@ -715,10 +751,7 @@ impl Node {
         e.busy.fetch_add(1, Ordering::SeqCst);
         let activity = Activity(e.clone());
         let mut phase = e.phase.subscribe();
-        let p = phase
-            .wait_for(|p| !matches!(p, Phase::Creating))
-            .await
-            .map(|p| p.clone());
+        let p = phase.wait_for(Phase::settled).await.map(|p| p.clone());
         match p {
             Ok(Phase::Running(r)) => Ok((r, activity)),
             _ => {
@@ -903,6 +936,47 @@ impl Node {
         })
     }
 
+    /// Saves the running sandbox to a file on this node and stops its VM (see
+    /// `Sandbox::pause`); its vCPUs and memory are free until `resume`. Commands and
+    /// copies in progress end with an error.
+    pub async fn pause(&self, id: &str) -> Result<SandboxInfo, NodeError> {
+        if self.get(id)?.status == SandboxStatus::Paused {
+            return Err(bad(format!("sandbox {id} is already paused")));
+        }
+        let (running, activity) = self.running(id).await?;
+        drop(activity);
+        if running.protocol < amber_guest::SNAPSHOT_PROTOCOL {
+            return Err(bad(format!(
+                "sandbox {id}'s guest agent speaks protocol {}, which cannot pause (version {} and later can): it boots an older initramfs",
+                running.protocol,
+                amber_guest::SNAPSHOT_PROTOCOL
+            )));
+        }
+        self.control(id, Control::Pause).await
+    }
+
+    /// Continues a paused sandbox where it was (429 when the node has no room for its
+    /// vCPUs and memory now).
+    pub async fn resume(&self, id: &str) -> Result<SandboxInfo, NodeError> {
+        self.control(id, Control::Resume).await
+    }
+
+    async fn control(
+        &self,
+        id: &str,
+        make: fn(tokio::sync::oneshot::Sender<Result<SandboxInfo, NodeError>>) -> Control,
+    ) -> Result<SandboxInfo, NodeError> {
+        let e = self.entry(id)?;
+        let gone = || NodeError::NotRunning {
+            id: id.to_string(),
+            status: "stopped",
+            reason: "it ended".into(),
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        e.control.send(make(tx)).await.map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
+    }
+
     /// The node's capacity, what is used, and what its cache holds (of `image` too).
     pub async fn info(&self, image: Option<&str>) -> Result<NodeInfo, NodeError> {
         // A node that was never set up still serves sandboxes whose boot files are pinned.
@@ -969,6 +1043,12 @@ impl Node {
 /// The one task that owns a sandbox's VM, from boot to stop.
 async fn lifecycle(node: Arc<Node>, e: Arc<Entry>) {
     let dir = sandboxes_dir(&node.home).join(&e.id);
+    let mut control = e
+        .control_rx
+        .lock()
+        .unwrap()
+        .take()
+        .expect("one lifecycle per sandbox");
     let mut stop = e.stop.subscribe();
     let started = tokio::select! {
         s = Sandbox::start(&node.exports, dir.join("vm"), &e.record.launch) => Some(s),
@@ -980,41 +1060,14 @@ async fn lifecycle(node: Arc<Node>, e: Arc<Entry>) {
             e.stop.borrow().clone().unwrap_or_default(),
         ),
         Some(Err(err)) => (SandboxStatus::Failed, err.to_string()),
-        Some(Ok(mut sandbox)) => {
-            if let Some(pid) = sandbox.vm.pid() {
-                let _ = std::fs::write(dir.join("vm/qemu.pid"), pid.to_string());
-            }
-            e.info.lock().unwrap().status = SandboxStatus::Running;
-            e.phase.send_replace(Phase::Running(Running {
-                mux: sandbox.vm.mux.clone(),
-                device: sandbox.device().clone(),
-                defaults: Arc::new(e.defaults()),
-                protocol: sandbox.vm.protocol,
-            }));
-            let ended = watch(&e, &mut sandbox).await;
-            match ended {
-                Ended::Asked(reason) => {
-                    sandbox.shutdown().await;
-                    (SandboxStatus::Stopped, reason)
-                }
-                Ended::VmExited(how) => {
-                    let console = sandbox.vm.console_tail();
-                    let integrity = sandbox.integrity_failure();
-                    sandbox.stop().await;
-                    let reason = match integrity {
-                        Some(i) => format!("{i}"),
-                        None => format!("the VM exited ({how}); console:\n{console}"),
-                    };
-                    (SandboxStatus::Failed, reason)
-                }
-            }
-        }
+        Some(Ok(sandbox)) => run(&node, &e, &dir, sandbox, &mut control).await,
     };
     let _ = std::fs::remove_dir_all(&dir);
     let info = {
         let mut info = e.info.lock().unwrap();
         info.status = status;
         info.reason = Some(reason);
+        info.state_bytes = None;
         info.clone()
     };
     node.release(&info);
@@ -1027,13 +1080,138 @@ async fn lifecycle(node: Arc<Node>, e: Arc<Entry>) {
     node.changed.notify_waiters();
 }
 
+/// Serves a started sandbox until it ends (its final status and reason), pausing and
+/// resuming it when asked.
+async fn run(
+    node: &Node,
+    e: &Entry,
+    dir: &Path,
+    mut sandbox: Sandbox,
+    control: &mut tokio::sync::mpsc::Receiver<Control>,
+) -> (SandboxStatus, String) {
+    loop {
+        if let Some(pid) = sandbox.vm.pid() {
+            let _ = std::fs::write(dir.join("vm/qemu.pid"), pid.to_string());
+        }
+        {
+            let mut info = e.info.lock().unwrap();
+            info.status = SandboxStatus::Running;
+            info.reason = None;
+            info.state_bytes = None;
+        }
+        e.phase.send_replace(Phase::Running(Running {
+            mux: sandbox.vm.mux.clone(),
+            device: sandbox.device().clone(),
+            defaults: Arc::new(e.defaults()),
+            protocol: sandbox.vm.protocol,
+        }));
+        let reply = match watch(e, &mut sandbox, control).await {
+            Ended::Asked(reason) => {
+                sandbox.shutdown().await;
+                return (SandboxStatus::Stopped, reason);
+            }
+            Ended::VmExited(how) => {
+                let console = sandbox.vm.console_tail();
+                let integrity = sandbox.integrity_failure();
+                sandbox.stop().await;
+                let reason = match integrity {
+                    Some(i) => format!("{i}"),
+                    None => format!("the VM exited ({how}); console:\n{console}"),
+                };
+                return (SandboxStatus::Failed, reason);
+            }
+            Ended::Pause(reply) => reply,
+        };
+        e.phase.send_replace(Phase::Busy);
+        let _ = std::fs::remove_file(dir.join("vm/qemu.pid"));
+        let paused = match sandbox.pause().await {
+            Ok(p) => p,
+            Err(err) => {
+                let reason = format!("pausing it failed, and the VM was stopped: {err}");
+                let _ = reply.send(Err(NodeError::Internal(reason.clone())));
+                return (SandboxStatus::Failed, reason);
+            }
+        };
+        let info = {
+            let mut info = e.info.lock().unwrap();
+            info.status = SandboxStatus::Paused;
+            info.reason = Some("resume it to run commands".into());
+            info.state_bytes = Some(paused.state_bytes());
+            info.clone()
+        };
+        // Its vCPUs and memory are free while no QEMU runs; its place stays taken.
+        node.release_room(&info, false);
+        e.phase.send_replace(Phase::Paused);
+        let _ = reply.send(Ok(info.clone()));
+        let reply = loop {
+            match hold(e, control).await {
+                Held::Asked(reason) => {
+                    paused.discard();
+                    // The end releases vCPUs and memory with the place: hold them again.
+                    let mut inner = node.inner.lock().unwrap();
+                    let (n, cpus, mem) = inner.used;
+                    inner.used = (n, cpus + info.cpus, mem + info.memory_mib as u64);
+                    return (SandboxStatus::Stopped, reason);
+                }
+                Held::Resume(reply) => {
+                    let room = {
+                        let mut inner = node.inner.lock().unwrap();
+                        node.reserve_room(&mut inner, 0, info.cpus, info.memory_mib)
+                    };
+                    match room {
+                        Ok(()) => break reply,
+                        Err(err) => {
+                            let _ = reply.send(Err(err));
+                        }
+                    }
+                }
+            }
+        };
+        e.phase.send_replace(Phase::Busy);
+        sandbox = match paused.resume().await {
+            Ok(s) => s,
+            Err(err) => {
+                let reason = format!("resuming it failed: {err}");
+                let _ = reply.send(Err(NodeError::Unavailable(reason.clone())));
+                return (SandboxStatus::Failed, reason);
+            }
+        };
+        let mut info = e.info.lock().unwrap().clone();
+        info.status = SandboxStatus::Running;
+        info.reason = None;
+        info.state_bytes = None;
+        let _ = reply.send(Ok(info));
+    }
+}
+
 enum Ended {
     Asked(String),
     VmExited(String),
+    Pause(tokio::sync::oneshot::Sender<Result<SandboxInfo, NodeError>>),
 }
 
-/// Waits for the sandbox's end: a stop, its lifetime, its idle timeout, or its VM dying.
-async fn watch(e: &Entry, sandbox: &mut Sandbox) -> Ended {
+enum Held {
+    Asked(String),
+    Resume(tokio::sync::oneshot::Sender<Result<SandboxInfo, NodeError>>),
+}
+
+fn lifetime_ended(e: &Entry) -> String {
+    let secs = e
+        .record
+        .info
+        .expires_at
+        .unwrap_or(0)
+        .saturating_sub(e.record.info.created_at);
+    format!("its hard lifetime ended ({secs} s after it was created, or as last set)")
+}
+
+/// Waits for the sandbox's end: a stop, its lifetime, its idle timeout, or its VM dying;
+/// or for a request to pause it.
+async fn watch(
+    e: &Entry,
+    sandbox: &mut Sandbox,
+    control: &mut tokio::sync::mpsc::Receiver<Control>,
+) -> Ended {
     let mut stop = e.stop.subscribe();
     let mut deadline = e.deadline.subscribe();
     let idle = e.record.info.idle_timeout_s.map(Duration::from_secs);
@@ -1045,10 +1223,7 @@ async fn watch(e: &Entry, sandbox: &mut Sandbox) -> Ended {
                 return Ended::Asked(e.stop.borrow().clone().unwrap_or_default());
             }
             _ = deadline.changed() => continue,
-            _ = sleep_until(until) => {
-                let secs = e.record.info.expires_at.unwrap_or(0).saturating_sub(e.record.info.created_at);
-                return Ended::Asked(format!("its hard lifetime ended ({secs} s after it was created, or as last set)"));
-            }
+            _ = sleep_until(until) => return Ended::Asked(lifetime_ended(e)),
             _ = sleep_until(idle_at) => {
                 let last = *e.last_active.lock().unwrap();
                 if e.busy.load(Ordering::SeqCst) == 0 && last.elapsed() >= idle.unwrap_or_default() {
@@ -1058,12 +1233,41 @@ async fn watch(e: &Entry, sandbox: &mut Sandbox) -> Ended {
                     ));
                 }
             }
+            Some(c) = control.recv() => match c {
+                Control::Pause(reply) => return Ended::Pause(reply),
+                Control::Resume(reply) => {
+                    let _ = reply.send(Err(bad(format!("sandbox {} is running, not paused", e.id))));
+                }
+            },
             status = sandbox.vm.wait() => {
                 return Ended::VmExited(match status {
                     Ok(s) => s.to_string(),
                     Err(err) => err.to_string(),
                 });
             }
+        }
+    }
+}
+
+/// Waits, while the sandbox is paused, for a request to resume it or for its end (a
+/// stop or its hard lifetime; a paused sandbox is not idle, it was put away).
+async fn hold(e: &Entry, control: &mut tokio::sync::mpsc::Receiver<Control>) -> Held {
+    let mut stop = e.stop.subscribe();
+    let mut deadline = e.deadline.subscribe();
+    loop {
+        let until = *deadline.borrow_and_update();
+        tokio::select! {
+            _ = stop.wait_for(Option::is_some) => {
+                return Held::Asked(e.stop.borrow().clone().unwrap_or_default());
+            }
+            _ = deadline.changed() => continue,
+            _ = sleep_until(until) => return Held::Asked(lifetime_ended(e)),
+            Some(c) = control.recv() => match c {
+                Control::Resume(reply) => return Held::Resume(reply),
+                Control::Pause(reply) => {
+                    let _ = reply.send(Err(bad(format!("sandbox {} is already paused", e.id))));
+                }
+            },
         }
     }
 }

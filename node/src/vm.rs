@@ -1,20 +1,28 @@
 //! One microVM: QEMU `-M microvm` booting the pinned kernel and the initramfs, with the
 //! env's lazy NBD export as its root disk and a virtio-serial control port that carries
-//! the guest protocol (amber_guest) as sessions (`mux`).
+//! the guest protocol (amber_guest) as sessions (`mux`); a QMP socket (`qmp`) to pause
+//! it into a file and restore it from one.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
 use amber_guest::{
-    Boot, BOOT, ENV_DISK_SERIAL, ERROR, EXIT, READY, SHUTDOWN, WRITABLE_DISK_SERIAL,
+    Boot, BOOT, ENV_DISK_SERIAL, ERROR, EXIT, PAUSE, QUIESCED, READY, RESUME, SHUTDOWN,
+    WRITABLE_DISK_SERIAL,
 };
+use serde_json::json;
 
 use crate::mux::Mux;
+use crate::qmp::{Qmp, QmpError};
 
 /// Why a VM did not come up.
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
+    #[error(transparent)]
+    Qmp(#[from] QmpError),
+    #[error("the guest agent did not answer the pause within {0} s")]
+    NotQuiesced(u64),
     #[error("starting {qemu} (run `amber setup`): {source}")]
     Spawn {
         qemu: PathBuf,
@@ -39,6 +47,7 @@ pub enum VmError {
     Stopped(String),
 }
 
+#[derive(Clone)]
 pub struct VmSpec {
     pub qemu: PathBuf,
     pub accel: String,
@@ -54,6 +63,7 @@ pub struct VmSpec {
 }
 
 /// Where the VM's root disk comes from.
+#[derive(Clone)]
 pub enum Root {
     /// The env's lazy, verified NBD export (the product path).
     Nbd(PathBuf),
@@ -138,7 +148,7 @@ pub fn qemu_memory(mib: u32) -> String {
 }
 
 impl VmSpec {
-    fn args(&self, ctl: &Path, console: &Path) -> Vec<String> {
+    fn args(&self, ctl: &Path, console: &Path, qmp: &Path) -> Vec<String> {
         let mut args: Vec<String> = vec![
             "-accel".into(),
             accel_arg(&self.accel),
@@ -160,7 +170,7 @@ impl VmSpec {
             "none".into(),
             "-no-reboot".into(),
             "-chardev".into(),
-            format!("file,id=con,path={}", console.display()),
+            format!("file,id=con,path={},append=on", console.display()),
             "-serial".into(),
             "chardev:con".into(),
             "-kernel".into(),
@@ -192,6 +202,8 @@ impl VmSpec {
             format!("socket,id=ctl,path={},server=on,wait=off", ctl.display()),
             "-device".into(),
             format!("virtserialport,chardev=ctl,name={}", amber_guest::PORT_NAME),
+            "-qmp".into(),
+            format!("unix:{},server=on,wait=off", qmp.display()),
         ];
         if let Some(disk) = &self.disk {
             args.extend([
@@ -213,18 +225,21 @@ pub struct Vm {
     qemu: tokio::process::Child,
     pub mux: Mux,
     console: PathBuf,
+    qmp: PathBuf,
     /// The guest protocol version the agent said it speaks in `READY`.
     pub protocol: u32,
 }
 
 impl Vm {
-    /// Boots QEMU and sends `boot`; returns once the guest has mounted its root (or
-    /// with the console's last lines when it could not).
-    pub async fn boot(spec: &VmSpec, boot: &Boot) -> Result<Vm, VmError> {
+    /// Starts QEMU for `spec` with `extra` arguments and connects to its control port.
+    async fn spawn(spec: &VmSpec, extra: &[&str]) -> Result<Vm, VmError> {
         let ctl = spec.work.join("ctl.sock");
         let console = spec.work.join("console.log");
+        let _ = std::fs::remove_file(&ctl);
+        let _ = std::fs::remove_file(spec.work.join("qmp.sock"));
         let mut cmd = tokio::process::Command::new(&spec.qemu);
-        cmd.args(spec.args(&ctl, &console));
+        cmd.args(spec.args(&ctl, &console, &spec.work.join("qmp.sock")));
+        cmd.args(extra);
         // QEMU dies with the process that started it: a VM whose root disk server (this
         // process) is gone can do nothing useful. The signal is tied to the thread that
         // forks; VMs are started from the runtime's worker threads, which live as long as
@@ -283,12 +298,19 @@ impl Vm {
         }
         let stream = stream.ok_or_else(|| VmError::NoControlSocket(ctl.clone()))?;
         let (mux, _) = Mux::new(stream);
-        let mut vm = Vm {
+        Ok(Vm {
             qemu,
             mux,
             console,
+            qmp: spec.work.join("qmp.sock"),
             protocol: 0,
-        };
+        })
+    }
+
+    /// Boots QEMU and sends `boot`; returns once the guest has mounted its root (or
+    /// with the console's last lines when it could not).
+    pub async fn boot(spec: &VmSpec, boot: &Boot) -> Result<Vm, VmError> {
+        let mut vm = Self::spawn(spec, &[]).await?;
         let mut control = vm.mux.session(0);
         control
             .tx
@@ -311,6 +333,95 @@ impl Vm {
                 }
                 Some(_) => {}
                 None => return Err(VmError::Stopped(vm.console_tail())),
+            }
+        }
+    }
+
+    /// Saves the VM to `state` and stops QEMU: the agent quiesces its port (`PAUSE`),
+    /// QEMU stops the vCPUs (which flushes the disks: the writable disk's file is then
+    /// the disk at this instant) and migrates memory and devices to the file. On an error
+    /// the VM is gone (it may have been stopped half-way); the caller ends the sandbox.
+    pub async fn pause(mut self, state: &Path) -> Result<(), VmError> {
+        let result = self.save(state).await;
+        if result.is_err() {
+            self.kill().await;
+            let _ = std::fs::remove_file(state);
+        }
+        result
+    }
+
+    async fn save(&mut self, state: &Path) -> Result<(), VmError> {
+        const QUIESCE_S: u64 = 30;
+        let mut control = self.mux.session(0);
+        self.mux.seal_with(PAUSE, 0, &[]).await?;
+        let quiesced = tokio::time::timeout(Duration::from_secs(QUIESCE_S), async {
+            loop {
+                match control.recv().await {
+                    Some(f) if f.kind == QUIESCED => return true,
+                    Some(_) => {}
+                    None => return false,
+                }
+            }
+        })
+        .await;
+        if quiesced != Ok(true) {
+            return Err(VmError::NotQuiesced(QUIESCE_S));
+        }
+        let mut qmp = Qmp::connect(&self.qmp).await?;
+        qmp.execute("stop", json!({})).await?;
+        // One pass over a stopped VM: no bandwidth limit (QEMU's default is 128 MiB/s).
+        qmp.execute(
+            "migrate-set-parameters",
+            json!({"max-bandwidth": 1u64 << 40}),
+        )
+        .await?;
+        qmp.execute(
+            "migrate",
+            json!({"uri": format!("file:{}", state.display())}),
+        )
+        .await?;
+        qmp.wait_migration(Duration::from_secs(3600)).await?;
+        // QEMU may close the socket before it answers `quit`.
+        let _ = qmp.execute("quit", json!({})).await;
+        if tokio::time::timeout(Duration::from_secs(10), self.qemu.wait())
+            .await
+            .is_err()
+        {
+            self.kill().await;
+        }
+        Ok(())
+    }
+
+    /// Starts QEMU for `spec` from the VM saved in `state` by `pause`, connects its
+    /// control port before the vCPUs run (so no frame of the guest is lost), tells the
+    /// agent the time, and continues it. `protocol` is the agent's, from its boot.
+    pub async fn restore(spec: &VmSpec, state: &Path, protocol: u32) -> Result<Vm, VmError> {
+        let mut vm = Self::spawn(spec, &["-incoming", "defer", "-S"]).await?;
+        vm.protocol = protocol;
+        let restored = async {
+            let mut qmp = Qmp::connect(&vm.qmp).await?;
+            qmp.execute(
+                "migrate-incoming",
+                json!({"uri": format!("file:{}", state.display())}),
+            )
+            .await?;
+            qmp.wait_migration(Duration::from_secs(3600)).await?;
+            let unix_ns = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            let resume = amber_guest::Resume { unix_ns };
+            vm.mux
+                .send(RESUME, 0, &serde_json::to_vec(&resume).expect("json"))
+                .await?;
+            qmp.execute("cont", json!({})).await?;
+            Ok::<(), VmError>(())
+        }
+        .await;
+        match restored {
+            Ok(()) => Ok(vm),
+            Err(e) => {
+                vm.kill().await;
+                Err(e)
             }
         }
     }

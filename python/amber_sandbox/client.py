@@ -137,6 +137,12 @@ class AsyncNode:
         r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/snapshot", json=body)
         return SnapshotInfo.parse(r.json())
 
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        return SandboxInfo.parse((await self._request("POST", f"/v1/sandboxes/{sandbox_id}/pause")).json())
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        return SandboxInfo.parse((await self._request("POST", f"/v1/sandboxes/{sandbox_id}/resume")).json())
+
     async def exec(self, sandbox_id: str, body: Mapping[str, Any]) -> ExecResult:
         r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body)
         return ExecResult.parse(r.json())
@@ -314,6 +320,16 @@ class AsyncSandbox:
         """Commit this sandbox's files as a new image (it keeps running). The answer's
         `image` is what `AsyncAmber.create` and `fork` take, and `docker pull`."""
         return await self.node.snapshot(self.id, tag=tag, wait=wait)
+
+    async def pause(self) -> SandboxInfo:
+        """Save this sandbox (memory, devices, disk) to a file on its node and stop its VM;
+        its running processes continue where they were at `resume`."""
+        self.info = await self.node.pause(self.id)
+        return self.info
+
+    async def resume(self) -> SandboxInfo:
+        self.info = await self.node.resume(self.id)
+        return self.info
 
     async def delete(self) -> SandboxInfo:
         self.info = await self.node.delete(self.id)

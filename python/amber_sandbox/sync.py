@@ -75,6 +75,12 @@ class Sandbox:
     def snapshot(self, tag: str | None = None, wait: bool = True) -> SnapshotInfo:
         return self._loop.run(self._inner.snapshot(tag=tag, wait=wait))
 
+    def pause(self) -> SandboxInfo:
+        return self._loop.run(self._inner.pause())
+
+    def resume(self) -> SandboxInfo:
+        return self._loop.run(self._inner.resume())
+
     def delete(self) -> SandboxInfo:
         return self._loop.run(self._inner.delete())
 

@@ -39,6 +39,7 @@ class SandboxInfo:
     idle_timeout_s: int | None = None
     disk_mib: int = 0
     parents: list[Parent] = field(default_factory=list)
+    state_bytes: int | None = None
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> "SandboxInfo":

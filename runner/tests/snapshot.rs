@@ -3,7 +3,8 @@
 //! making a directory again, forked on a second node (its own home, a cold cache), shows
 //! exactly that state; `docker pull` of it gives the same tree; a snapshot of the fork is
 //! a snapshot of a snapshot, with both ancestors in its lineage and in a receipt of a run
-//! from it. The sandbox keeps running through its snapshot.
+//! from it. The sandbox keeps running through its snapshot. Pause and resume keep a
+//! running process where it was.
 
 mod common;
 
@@ -163,6 +164,61 @@ fn a_snapshot_is_an_image_that_forks_on_another_node() {
     assert_eq!(r["parents"].as_array().unwrap().len(), 2, "{r}");
     assert_eq!(r["parents"][1]["image"], format!("snap/base@{base_digest}"));
 
+    // Pause and resume: the VM is saved to a file and no QEMU runs; a long-running
+    // process continues where it was (same process, its counter counts on from the
+    // value it had), and the disk holds what was written before.
+    exec(
+        &a,
+        &id,
+        "setsid -f sh -c 'echo $$ > /tmp/pid; i=0; while :; do i=$((i+1)); echo $i > /tmp/counter.new; mv /tmp/counter.new /tmp/counter; sleep 0.05; done' </dev/null >/dev/null 2>&1",
+    );
+    let count = |node: &Node, id: &str| -> u64 {
+        // Waits, in the guest, for the counter to move past the value it first reads.
+        let o = exec(
+            node,
+            id,
+            "until [ -s /tmp/counter ]; do sleep 0.01; done; n=$(cat /tmp/counter); until [ \"$(cat /tmp/counter)\" -gt \"$n\" ]; do sleep 0.01; done; cat /tmp/counter",
+        );
+        o.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("counter: {o:?}"))
+    };
+    let before = count(&a, &id);
+    let pid = exec(&a, &id, "cat /tmp/pid");
+    let o = a.amber(&reg, &["pause", &id]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let vm_dir = a.home.path().join("sandboxes").join(&id).join("vm");
+    assert!(vm_dir.join("vm.state").metadata().unwrap().len() > 0);
+    assert!(
+        !vm_dir.join("qemu.pid").exists(),
+        "no QEMU runs while paused"
+    );
+    let o = a.amber(&reg, &["exec", &id, "--", "true"]);
+    assert_eq!(o.status.code(), Some(125));
+    assert!(
+        stderr(&o).contains("is paused: resume it"),
+        "{}",
+        stderr(&o)
+    );
+    let o = a.amber(&reg, &["pause", &id]);
+    assert!(stderr(&o).contains("already paused"), "{}", stderr(&o));
+    let o = a.amber(&reg, &["resume", &id]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let after = count(&a, &id);
+    assert!(after > before, "the counter went from {before} to {after}");
+    assert_eq!(
+        exec(&a, &id, "kill -0 $(cat /tmp/pid) && cat /tmp/pid"),
+        pid
+    );
+    assert_eq!(exec(&a, &id, "cat /opt/app/after"), "more\n");
+    assert!(!vm_dir.join("vm.state").exists());
+    let o = a.amber(&reg, &["resume", &id]);
+    assert!(
+        stderr(&o).contains("is running, not paused"),
+        "{}",
+        stderr(&o)
+    );
+
     // What cannot be snapshotted says why, and changes nothing.
     let o = a.amber(&reg, &["snapshot", &id, "--tag", "snap/x@sha256:00"]);
     assert_eq!(o.status.code(), Some(125));
@@ -188,9 +244,17 @@ fn a_snapshot_is_an_image_that_forks_on_another_node() {
         stderr(&o)
     );
     assert_eq!(exec(&a, &id, "cat /opt/app/after"), "more\n");
+    // A sandbox with its writes in memory pauses too, and removing it while paused
+    // leaves nothing.
+    let o = a.amber(&reg, &["pause", &mem]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = a.amber(&reg, &["rm", &mem]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!a.home.path().join("sandboxes").join(&mem).exists());
+    let mem = String::new();
 
     for (node, ids) in [(&a, vec![id, mem]), (&b, ids)] {
-        for i in ids {
+        for i in ids.into_iter().filter(|i| !i.is_empty()) {
             let o = node.amber(&reg, &["rm", &i]);
             assert!(o.status.success(), "{}", stderr(&o));
         }

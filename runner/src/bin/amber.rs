@@ -73,6 +73,16 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Save sandboxes to files on this node (memory, devices, disk) and stop their VMs.
+    Pause {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// Continue paused sandboxes where they were.
+    Resume {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
     /// List the sandboxes running on this node.
     Ps,
     /// Boot exactly what a receipt pinned and run its command again.
@@ -299,6 +309,22 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
                 println!("{}", serde_json::to_string_pretty(&s)?);
             } else {
                 println!("{}", s.image);
+            }
+            Ok(0)
+        }
+        Cmd::Pause { ids } => {
+            let client = running_client(&node);
+            for id in ids {
+                client.pause(&id).await?;
+                println!("{id}");
+            }
+            Ok(0)
+        }
+        Cmd::Resume { ids } => {
+            let client = running_client(&node);
+            for id in ids {
+                client.resume(&id).await?;
+                println!("{id}");
             }
             Ok(0)
         }
