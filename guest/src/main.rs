@@ -174,20 +174,19 @@ fn pause(input: &mut File, port: &Port) -> Result<(), String> {
     loop {
         match read_frame(input) {
             Ok(Some(f)) if f.kind == amber_guest::RESUME => {
-                if let Ok(r) = serde_json::from_slice::<amber_guest::Resume>(&f.payload) {
-                    let ts = libc::timespec {
-                        tv_sec: (r.unix_ns / 1_000_000_000) as libc::time_t,
-                        tv_nsec: (r.unix_ns % 1_000_000_000) as libc::c_long,
-                    };
-                    // SAFETY: a valid timespec; PID 1 runs as root.
-                    if r.unix_ns > 0
-                        && unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0
-                    {
-                        eprintln!(
-                            "amber-guest: setting the clock: {}",
-                            std::io::Error::last_os_error()
-                        );
+                match serde_json::from_slice::<amber_guest::Resume>(&f.payload) {
+                    Ok(r) if r.unix_ns > 0 => {
+                        let ts = libc::timespec {
+                            tv_sec: (r.unix_ns / 1_000_000_000) as libc::time_t,
+                            tv_nsec: (r.unix_ns % 1_000_000_000) as libc::c_long,
+                        };
+                        // SAFETY: a valid timespec; PID 1 runs as root.
+                        if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
+                            let e = std::io::Error::last_os_error();
+                            eprintln!("amber-guest: setting the clock: {e}");
+                        }
                     }
+                    _ => eprintln!("amber-guest: RESUME without the host's time"),
                 }
                 return Ok(());
             }
