@@ -130,6 +130,46 @@ async def test_streams_timeouts_processes_and_errors(nodes, images):
     await node.close()
 
 
+async def test_a_snapshot_forks_over_nodes_and_a_sandbox_pauses_and_resumes(nodes, images):
+    async with AsyncAmber([n.socket for n in nodes]) as amber:
+        sb = await amber.create(images[1], memory_mib=256, node=amber.nodes[0])
+        forks = []
+        try:
+            await sb.exec("echo saved > /work/state && rm /id")
+            snap = await sb.snapshot(tag="py/snap:v1")
+            assert snap.image.startswith("py/snap@sha256:") and snap.tag == "py/snap:v1"
+            assert snap.env_digest and snap.env_digest.startswith("blake3:")
+            assert [p.image.split("@")[0] for p in snap.parents] == ["py/img1"]
+            assert snap.parents[0].env_digest == sb.info.env_digest
+            # The sandbox keeps running.
+            assert (await sb.exec("cat /work/state")).stdout == "saved\n"
+
+            forks = await amber.fork(snap.image, 3, memory_mib=256)
+            assert len(forks) == 3
+            for f in forks:
+                r = await f.exec("cat /work/state; test -e /id || echo no-id")
+                assert r.stdout == "saved\nno-id\n", r
+                assert f.info.env_digest == snap.env_digest
+                assert f.info.parents == snap.parents
+
+            p = await forks[0].pause()
+            assert p.status == "paused" and p.state_bytes and p.state_bytes > 0
+            with pytest.raises(SandboxNotRunning, match="paused"):
+                await forks[0].exec("true")
+            with pytest.raises(BadRequest, match="already paused"):
+                await forks[0].pause()
+            r = await forks[0].resume()
+            assert r.status == "running" and r.state_bytes is None
+            assert (await forks[0].exec("cat /work/state")).stdout == "saved\n"
+            with pytest.raises(BadRequest, match="not paused"):
+                await forks[0].resume()
+            with pytest.raises(BadRequest, match="tag"):
+                await sb.snapshot(tag="Not A Tag")
+        finally:
+            for s in [sb, *forks]:
+                await s.delete()
+
+
 async def test_placement_prefers_the_node_that_caches_the_env(nodes, images, registry, workdir):
     # A fifth image, booted once on node 2 only: its chunks are in node 2's cache alone.
     ctx = workdir / "img-placement"
