@@ -930,7 +930,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small image set, 3 runs")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus", "node"], help="run one benchmark")
+    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus", "node", "state"], help="run one benchmark")
     ap.add_argument("--corpus", type=int, help="task images in the corpus (default 200; 20 with --quick)")
     a = ap.parse_args()
     work = os.path.join(RUN, "bench")
@@ -974,6 +974,10 @@ def main():
         import bench_node
         print("node: density, exec round trip and rollouts, amber and the Docker engine", flush=True)
         sections.append(bench_node.node_section(bench_node.bench_node(work, Server, a.quick)))
+    if a.only in (None, "state"):
+        import bench_state
+        print("sandbox state: snapshots, forks, pause and resume", flush=True)
+        sections.append(bench_state.state_section(bench_state.bench_state(work, Server, a.quick)))
     command = "scripts/bench" + (" --quick" if a.quick else "")
     out = os.path.join(ROOT, "BENCHMARKS.md") if not (a.quick or a.only) else os.path.join(work, "BENCHMARKS.partial.md")
     write_report(out, sections, command)
