@@ -133,15 +133,17 @@ const KERNEL_CMDLINE: &str =
 
 /// QEMU's `-m` for a VM of `mib` MiB.
 ///
-/// Exactly 2048 MiB gets one page more. QEMU's microvm loads the initrd so that it ends
+/// Exactly 2048 MiB gets 2 MiB more. QEMU's microvm loads the initrd so that it ends
 /// at the kernel's `initrd_addr_max` (2 GiB - 1) and keeps clear of the firmware's page
 /// at the top of low memory only when that memory is smaller than 2 GiB; at exactly
 /// 2 GiB the two share the last page and the initramfs's tail (the last kernel modules)
-/// is damaged, so the guest cannot mount its overlay. With one more page the firmware's
-/// page moves above 2 GiB; the guest sees 4 KiB more than it asked for.
+/// is damaged, so the guest cannot mount its overlay. With more memory the firmware's
+/// page moves above 2 GiB. One page more was enough for that, but memory that is not a
+/// whole number of 2 MiB blocks makes QEMU's migration setup take seconds (measured:
+/// pausing an idle 2 GiB + 4 KiB guest took 5.1 s, 4.2 s of it in setup; + 2 MiB, 0.8 s).
 pub fn qemu_memory(mib: u32) -> String {
     if mib == 2048 {
-        format!("{}K", 2048 * 1024 + 4)
+        format!("{}M", 2048 + 2)
     } else {
         mib.to_string()
     }
@@ -352,6 +354,7 @@ impl Vm {
 
     async fn save(&mut self, state: &Path) -> Result<(), VmError> {
         const QUIESCE_S: u64 = 30;
+        let started = std::time::Instant::now();
         let mut control = self.mux.session(0);
         self.mux.seal_with(PAUSE, 0, &[]).await?;
         let quiesced = tokio::time::timeout(Duration::from_secs(QUIESCE_S), async {
@@ -367,6 +370,7 @@ impl Vm {
         if quiesced != Ok(true) {
             return Err(VmError::NotQuiesced(QUIESCE_S));
         }
+        let quiesced_ms = started.elapsed().as_millis();
         let mut qmp = Qmp::connect(&self.qmp).await?;
         qmp.execute("stop", json!({})).await?;
         // One pass over a stopped VM: no bandwidth limit (QEMU's default is 128 MiB/s).
@@ -380,7 +384,8 @@ impl Vm {
             json!({"uri": format!("file:{}", state.display())}),
         )
         .await?;
-        qmp.wait_migration(Duration::from_secs(3600)).await?;
+        let m = qmp.wait_migration(Duration::from_secs(3600)).await?;
+        let saved_ms = started.elapsed().as_millis();
         // QEMU may close the socket before it answers `quit`.
         let _ = qmp.execute("quit", json!({})).await;
         if tokio::time::timeout(Duration::from_secs(10), self.qemu.wait())
@@ -389,6 +394,15 @@ impl Vm {
         {
             self.kill().await;
         }
+        tracing::debug!(
+            quiesced_ms,
+            saved_ms,
+            qemu_total_ms = m["total-time"].as_u64(),
+            qemu_setup_ms = m["setup-time"].as_u64(),
+            exited_ms = started.elapsed().as_millis(),
+            "paused {}",
+            state.display()
+        );
         Ok(())
     }
 
