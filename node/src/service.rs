@@ -6,7 +6,8 @@
 //! Invariants kept here:
 //! - the resources of every sandbox that is creating or running are counted in `used`,
 //!   reserved before its VM starts and released once it has stopped; a create that would
-//!   pass a limit is refused (`Capacity`, HTTP 429) and changes nothing;
+//!   pass a limit is refused (`Capacity`, HTTP 429) and changes nothing; a paused sandbox
+//!   holds only its place (its vCPUs and memory are reserved again before it resumes);
 //! - each sandbox has one task (`lifecycle`) that owns its VM: it alone starts and stops
 //!   it, at a delete, at the hard lifetime, at the idle timeout, or when the VM dies, so a
 //!   sandbox ends on time whoever created it and whatever became of that client;
@@ -227,6 +228,8 @@ struct Entry {
     control: tokio::sync::mpsc::Sender<Control>,
     /// The other end of `control`, taken by the lifecycle task.
     control_rx: Mutex<Option<tokio::sync::mpsc::Receiver<Control>>>,
+    /// Held while a snapshot of the sandbox is taken: a second one waits its turn.
+    snapshotting: tokio::sync::Mutex<()>,
 }
 
 impl Entry {
@@ -610,6 +613,7 @@ impl Node {
             next_process: AtomicU32::new(1),
             control: control.0,
             control_rx: Mutex::new(Some(control.1)),
+            snapshotting: tokio::sync::Mutex::new(()),
         });
         self.inner
             .lock()
@@ -893,7 +897,11 @@ impl Node {
             "snapshot-{}.tar.gz",
             run::new_id().map_err(|e| NodeError::Internal(e.to_string()))?
         ));
-        let layer = snapshot::take_layer(&running.mux, &file).await?;
+        let layer = {
+            // The guest freezes its disk for one snapshot at a time.
+            let _one_at_a_time = e.snapshotting.lock().await;
+            snapshot::take_layer(&running.mux, &file).await?
+        };
         let frozen_ms = started.elapsed().as_millis() as u64;
         let base = snapshot::Base {
             repository: &base_repo,
