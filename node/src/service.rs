@@ -271,9 +271,16 @@ pub struct Node {
     exports: Arc<Exports>,
     limits: Limits,
     inner: Mutex<Inner>,
+    /// The env of each digest-pinned reference `info` was asked about (`name@sha256:…`
+    /// names one image for ever, and an image has one env): placement asks several
+    /// nodes per create, and a pinned answer needs the registry once.
+    pinned_envs: Mutex<HashMap<String, amber_oci::env::EnvDigest>>,
     /// Told whenever a sandbox ends (the daemon's idle exit waits on it).
     pub changed: tokio::sync::Notify,
 }
+
+/// Pinned references `Node::info` remembers before it starts over.
+const PINNED_ENVS_KEPT: usize = 16384;
 
 fn bad(msg: impl Into<String>) -> NodeError {
     NodeError::BadRequest(msg.into())
@@ -300,6 +307,7 @@ impl Node {
             exports,
             limits,
             inner: Mutex::new(Inner::default()),
+            pinned_envs: Mutex::new(HashMap::new()),
             changed: tokio::sync::Notify::new(),
         }
     }
@@ -992,12 +1000,7 @@ impl Node {
         let (n, cpus, mem) = self.inner.lock().unwrap().used;
         let l = &self.limits;
         let image = match image {
-            Some(r) => {
-                let resolved =
-                    crate::image::resolve(&self.registry, r, Duration::from_secs(0)).await;
-                let resolved = resolved.map_err(|e| NodeError::from(LaunchError::from(e)))?;
-                Some(self.cached(&resolved.env).await?)
-            }
+            Some(r) => Some(self.cached(&self.env_of(r).await?).await?),
             None => None,
         };
         let mut envs = Vec::new();
@@ -1031,6 +1034,30 @@ impl Node {
             envs,
             image,
         })
+    }
+
+    /// The env `reference` names: resolved through the registry, once for a reference
+    /// pinned by digest (an env digest is its own answer).
+    async fn env_of(&self, reference: &str) -> Result<amber_oci::env::EnvDigest, NodeError> {
+        use amber_oci::reference::ImageRef;
+        let pinned = match ImageRef::parse(reference) {
+            Ok(ImageRef::Image(n)) => n.digest.is_some(),
+            _ => false,
+        };
+        if let Some(env) = self.pinned_envs.lock().unwrap().get(reference) {
+            return Ok(*env);
+        }
+        let resolved = crate::image::resolve(&self.registry, reference, Duration::from_secs(0))
+            .await
+            .map_err(|e| NodeError::from(LaunchError::from(e)))?;
+        if pinned {
+            let mut known = self.pinned_envs.lock().unwrap();
+            if known.len() >= PINNED_ENVS_KEPT {
+                known.clear();
+            }
+            known.insert(reference.to_string(), resolved.env);
+        }
+        Ok(resolved.env)
     }
 
     async fn cached(&self, env: &amber_oci::env::EnvDigest) -> Result<CachedEnv, NodeError> {
