@@ -977,7 +977,7 @@ def main():
     if a.only in (None, "state"):
         import bench_state
         print("sandbox state: snapshots, forks, pause and resume", flush=True)
-        sections.append(bench_state.state_section(bench_state.bench_state(work, Server, a.quick)))
+        sections.append(bench_state.state_section(bench_state.bench_state(work, Server, wait_converted, a.quick)))
     command = "scripts/bench" + (" --quick" if a.quick else "")
     out = os.path.join(ROOT, "BENCHMARKS.md") if not (a.quick or a.only) else os.path.join(work, "BENCHMARKS.partial.md")
     write_report(out, sections, command)

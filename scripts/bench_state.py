@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -147,7 +146,7 @@ async def pause_cost(node, ref):
         await node.delete(sb.id)
 
 
-def bench_state(work, server_cls, quick=False):
+def bench_state(work, server_cls, wait_converted, quick=False):
     amber = os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "amber")
     rootfs = os.path.join(ROOT, ".run", "cache", "debian-bookworm-v2.tar")
     if not os.path.exists(rootfs):
@@ -163,12 +162,7 @@ def bench_state(work, server_cls, quick=False):
         digest = push.split("digest: ")[1].split()[0]
         ref = f"bench/big@{digest}"
         reg = f"http://{s.addr}"
-        for _ in range(6000):
-            v = json.load(urllib.request.urlopen(f"{reg}/amber/v1/resolve/bench/big/{digest}"))
-            if v["state"] in ("done", "failed"):
-                break
-            time.sleep(0.1)
-        assert v["state"] == "done", v
+        wait_converted(s.addr, "bench/big", digest)
         home = os.path.join(work, "state-home")
         subprocess.run(["rm", "-rf", home])
         os.makedirs(home)

@@ -127,6 +127,18 @@ impl Mux {
     }
 
     pub async fn send(&self, kind: u8, session: u32, payload: &[u8]) -> io::Result<()> {
+        self.write(kind, session, payload, false).await
+    }
+
+    /// Writes one last frame: every `send` after it fails, so nothing follows it on the
+    /// stream (a VM being paused must see its last frame whole).
+    pub async fn seal_with(&self, kind: u8, session: u32, payload: &[u8]) -> io::Result<()> {
+        self.write(kind, session, payload, true).await
+    }
+
+    /// One frame under the writer's lock, unless the stream is sealed; `seal` seals it
+    /// after this frame.
+    async fn write(&self, kind: u8, session: u32, payload: &[u8], seal: bool) -> io::Result<()> {
         let mut w = self.0.writer.lock().await;
         if self.0.sealed.load(Ordering::SeqCst) {
             return Err(io::Error::new(
@@ -134,17 +146,9 @@ impl Mux {
                 "the VM is being paused",
             ));
         }
-        w.write_all(&amber_guest::header(kind, session, payload.len()))
-            .await?;
-        w.write_all(payload).await?;
-        w.flush().await
-    }
-
-    /// Writes one last frame: every `send` after it fails, so nothing follows it on the
-    /// stream (a VM being paused must see its last frame whole).
-    pub async fn seal_with(&self, kind: u8, session: u32, payload: &[u8]) -> io::Result<()> {
-        let mut w = self.0.writer.lock().await;
-        self.0.sealed.store(true, Ordering::SeqCst);
+        if seal {
+            self.0.sealed.store(true, Ordering::SeqCst);
+        }
         w.write_all(&amber_guest::header(kind, session, payload.len()))
             .await?;
         w.write_all(payload).await?;

@@ -1182,10 +1182,12 @@ async fn run(
             match hold(e, control).await {
                 Held::Asked(reason) => {
                     paused.discard();
-                    // The end releases vCPUs and memory with the place: hold them again.
+                    // The end releases vCPUs and memory with the place: count them again
+                    // (past the limits if need be: they are released at once).
+                    let (cpus, mem) = (info.cpus, info.memory_mib as u64);
                     let mut inner = node.inner.lock().unwrap();
-                    let (n, cpus, mem) = inner.used;
-                    inner.used = (n, cpus + info.cpus, mem + info.memory_mib as u64);
+                    inner.used.1 += cpus;
+                    inner.used.2 += mem;
                     return (SandboxStatus::Stopped, reason);
                 }
                 Held::Resume(reply) => {

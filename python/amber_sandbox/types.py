@@ -11,6 +11,13 @@ def _from(cls, d: dict[str, Any]):
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
+def _with_parents(cls, d: dict[str, Any]):
+    """`cls` from `d`, its `parents` (a snapshot's lineage) as `Parent`s."""
+    info = _from(cls, d)
+    info.parents = [_from(Parent, p) for p in d.get("parents", [])]
+    return info
+
+
 @dataclass
 class Parent:
     """One image of a snapshot's lineage."""
@@ -43,9 +50,7 @@ class SandboxInfo:
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> "SandboxInfo":
-        info = _from(cls, d)
-        info.parents = [_from(Parent, p) for p in d.get("parents", [])]
-        return info
+        return _with_parents(cls, d)
 
 
 @dataclass
@@ -67,9 +72,7 @@ class SnapshotInfo:
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> "SnapshotInfo":
-        info = _from(cls, d)
-        info.parents = [_from(Parent, p) for p in d.get("parents", [])]
-        return info
+        return _with_parents(cls, d)
 
 
 @dataclass
