@@ -99,6 +99,57 @@ pub struct CreateSandbox {
     /// Fetch every chunk into the node cache before booting.
     #[serde(default)]
     pub prefetch: bool,
+    /// A network interface (user-mode networking on the node). Without it the sandbox
+    /// has no network at all, only its loopback.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkSpec>,
+}
+
+/// A sandbox's network: what it may reach, which host services it sees, which of its
+/// ports the host reaches. Inside, the sandbox is 10.0.2.15/24 with its gateway (the
+/// host) at 10.0.2.2, named `host.amber.internal`, and a DNS server at 10.0.2.3. What
+/// is not allowed fails at once (connection refused, port unreachable).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct NetworkSpec {
+    /// Destinations the sandbox may connect to over TCP and UDP: `ADDR`, `CIDR`,
+    /// `ADDR:PORT` or `CIDR:PORT` (IPv4), e.g. `0.0.0.0/0:443`. The host's loopback is
+    /// the gateway: `127.0.0.1:8080` lets the sandbox reach the host's port 8080 at
+    /// 10.0.2.2:8080. Empty: nothing but the host services (and no DNS names but the
+    /// gateway's).
+    #[serde(default)]
+    pub allow: Vec<String>,
+    /// Host services reachable at the gateway whatever `allow` says: `PORT=ADDR:PORT`
+    /// (the gateway's port, then the host's address), or `ADDR:PORT` for the same port.
+    #[serde(default)]
+    pub host_services: Vec<String>,
+    /// Ports of the sandbox the host reaches: `PORT` (on 127.0.0.1, a free port) or
+    /// `PORT=ADDR:PORT` (that host address; port 0 picks one).
+    #[serde(default)]
+    pub ports: Vec<String>,
+}
+
+/// A sandbox's network as it runs.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct NetworkInfo {
+    /// The sandbox's address inside.
+    pub address: String,
+    pub gateway: String,
+    pub dns: String,
+    pub allow: Vec<String>,
+    pub host_services: Vec<String>,
+    pub ports: Vec<PublishedPort>,
+}
+
+/// A port of the sandbox and where the host reaches it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PublishedPort {
+    pub guest_port: u16,
+    /// `ADDR:PORT` on the host.
+    pub host: String,
 }
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -153,6 +204,9 @@ pub struct SandboxInfo {
     /// While paused: the bytes of its saved memory and device state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_bytes: Option<u64>,
+    /// Its network, when it was created with one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkInfo>,
 }
 
 /// One image in a snapshot's lineage.

@@ -9,7 +9,7 @@ use std::sync::mpsc::Receiver;
 use amber_guest::{copy, layer, status_payload, Get, Put, DATA, EXIT};
 
 use crate::port::{ChannelReader, FrameWriter, Port};
-use crate::rootfs::{upper_dir, writable_disk};
+use crate::rootfs::{mount_points, upper_dir, writable_disk};
 use crate::sys::errno;
 
 // <linux/fs.h>: _IOWR('X', 119, int) and _IOWR('X', 120, int).
@@ -59,7 +59,7 @@ pub(crate) fn snapshot(port: Port, session: u32) {
         buf: Vec::new(),
     };
     let written = Frozen::new(disk).and_then(|frozen| {
-        let r = layer::write(&upper_dir(disk), &mut w).map_err(|e| e.to_string());
+        let r = layer::write(&upper_dir(disk), mount_points(), &mut w).map_err(|e| e.to_string());
         drop(frozen);
         r
     });

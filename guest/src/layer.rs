@@ -12,6 +12,9 @@
 //!   linked from its later names (hard links); sockets cannot be in a tar and are left
 //!   out, as Docker does. Extended attributes are not carried.
 //! - Entries are in byte order of their names, so one upper gives one byte stream.
+//! - Mount points the agent made for files it mounts over the image (/etc/resolv.conf,
+//!   /etc/hosts of a sandbox with a network) are left out while they are still empty
+//!   files: like docker's, those files are the sandbox's set-up, not its changes.
 //!
 //! The upper must not change while it is walked: the agent freezes the file system that
 //! holds it (`SNAPSHOT` in lib.rs).
@@ -42,12 +45,14 @@ pub struct LayerStats {
 }
 
 /// Writes the changes held in `upper` (an overlay upper directory) to `w` as an
-/// uncompressed OCI layer tar.
-pub fn write(upper: &Path, w: impl Write) -> io::Result<LayerStats> {
+/// uncompressed OCI layer tar, leaving out `mount_points` (paths relative to the upper)
+/// that are empty regular files.
+pub fn write(upper: &Path, mount_points: &[PathBuf], w: impl Write) -> io::Result<LayerStats> {
     let mut walk = Walk {
         tar: tar::Builder::new(w),
         links: HashMap::new(),
         stats: LayerStats::default(),
+        mount_points,
     };
     walk.dir(upper, Path::new(""))?;
     let Walk { tar, stats, .. } = walk;
@@ -55,8 +60,9 @@ pub fn write(upper: &Path, w: impl Write) -> io::Result<LayerStats> {
     Ok(stats)
 }
 
-struct Walk<W: Write> {
+struct Walk<'a, W: Write> {
     tar: tar::Builder<W>,
+    mount_points: &'a [PathBuf],
     /// (device, inode) of files with several names -> the name written first.
     links: HashMap<(u64, u64), PathBuf>,
     stats: LayerStats,
@@ -83,7 +89,7 @@ fn is_opaque(dir: &Path) -> bool {
     n == 1 && value[0] == b'y'
 }
 
-impl<W: Write> Walk<W> {
+impl<W: Write> Walk<'_, W> {
     fn empty(&mut self, h: &mut tar::Header, path: &Path) -> io::Result<()> {
         h.set_size(0);
         self.stats.entries += 1;
@@ -124,7 +130,9 @@ impl<W: Write> Walk<W> {
             wh.extend_from_slice(name.as_bytes());
             return self.marker(&rel.with_file_name(OsString::from_vec(wh)), &m);
         }
-        if ft.is_socket() {
+        if ft.is_socket()
+            || (ft.is_file() && m.len() == 0 && self.mount_points.iter().any(|p| p == rel))
+        {
             return Ok(());
         }
         let mut h = tar::Header::new_gnu();
@@ -219,12 +227,20 @@ mod tests {
         std::os::unix::fs::symlink("new.conf", up.join("etc/link")).unwrap();
         std::fs::hard_link(up.join("etc/new.conf"), up.join("etc/z-hard")).unwrap();
         let sock = std::os::unix::net::UnixListener::bind(up.join("sock")).unwrap();
+        // Mount points the agent made: left out while empty, kept once written to.
+        std::fs::write(up.join("etc/resolv.conf"), b"").unwrap();
+        std::fs::write(up.join("etc/hosts"), b"").unwrap();
+        std::fs::write(up.join("etc/hostname"), b"written\n").unwrap();
+        let mounts: Vec<PathBuf> = ["etc/resolv.conf", "etc/hosts", "etc/hostname"]
+            .map(PathBuf::from)
+            .into();
+        std::fs::write(up.join("var/hosts"), b"").unwrap();
 
         let mut bytes = Vec::new();
-        let stats = write(up, &mut bytes).unwrap();
+        let stats = write(up, &mounts, &mut bytes).unwrap();
         drop(sock);
         let mut again = Vec::new();
-        write(up, &mut again).unwrap();
+        write(up, &mounts, &mut again).unwrap();
         assert_eq!(bytes, again, "the same upper gives the same bytes");
 
         let mut seen = Vec::new();
@@ -251,12 +267,14 @@ mod tests {
             [
                 "etc",
                 "etc/.wh.deleted",
+                "etc/hostname",
                 "etc/link",
                 "etc/new.conf",
                 "etc/secret",
                 "etc/z-hard",
                 "var",
                 "var/.wh..wh..opq",
+                "var/hosts",
                 "var/only"
             ]
         );
@@ -272,8 +290,8 @@ mod tests {
         assert_eq!(
             stats,
             LayerStats {
-                entries: 9,
-                file_bytes: 6,
+                entries: 11,
+                file_bytes: 14,
                 whiteouts: 2
             }
         );

@@ -126,6 +126,27 @@ pub struct Boot {
     /// memory. An older agent ignores it and keeps its writes in a tmpfs.
     #[serde(default)]
     pub writable_disk: bool,
+    /// The sandbox's network interface, when it has one. An older agent ignores it (and
+    /// the sandbox has no network).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<Network>,
+}
+
+/// How the agent sets up the guest's network interface: the one with this MAC gets a
+/// static address and a default route; /etc/resolv.conf and /etc/hosts are mounted
+/// over the image's, as `docker run` does, so they are not part of the sandbox's
+/// changes (a snapshot does not carry them).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Network {
+    /// `52:54:00:12:34:56`
+    pub mac: String,
+    pub address: std::net::Ipv4Addr,
+    pub prefix_len: u8,
+    pub gateway: std::net::Ipv4Addr,
+    pub nameserver: std::net::Ipv4Addr,
+    /// Extra /etc/hosts lines: (address, names).
+    #[serde(default)]
+    pub hosts: Vec<(String, String)>,
 }
 
 /// The virtio-blk serial of the env's read-only root device.

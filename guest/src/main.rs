@@ -15,7 +15,8 @@
 //!
 //! Modules: `rootfs` (modules, devices, mounts, the move into the root), `users` (the
 //! image's `User` as docker resolves it), `process` (fork/exec, output, the reaper),
-//! `files` (tar copies and snapshots), `port` (frames to the host), `sys` (libc wrappers); this file
+//! `files` (tar copies and snapshots), `net` (loopback, the network interface, resolver
+//! and hosts files), `port` (frames to the host), `sys` (libc wrappers); this file
 //! dispatches the host's frames.
 
 use std::fs::File;
@@ -33,6 +34,7 @@ use crate::process::{exec, reap, Live, Reaper, Sessions};
 use crate::rootfs::{boot, load_modules, mount, wait_for_devices};
 
 mod files;
+mod net;
 mod port;
 mod process;
 mod rootfs;

@@ -18,6 +18,14 @@ pub(crate) const NEWROOT: &str = "/newroot";
 /// /rw is out of reach): what `SNAPSHOT` freezes, and the way to its upper directory.
 static WRITABLE: std::sync::OnceLock<File> = std::sync::OnceLock::new();
 
+/// Files the agent made in the root only to mount its own over them (see `net`):
+/// relative to the root, left out of snapshots while empty.
+static MOUNT_POINTS: std::sync::OnceLock<Vec<PathBuf>> = std::sync::OnceLock::new();
+
+pub(crate) fn mount_points() -> &'static [PathBuf] {
+    MOUNT_POINTS.get().map_or(&[], Vec::as_slice)
+}
+
 /// The writable disk's root, when the sandbox has one.
 pub(crate) fn writable_disk() -> Option<&'static File> {
     WRITABLE.get()
@@ -241,6 +249,13 @@ pub(crate) fn boot(b: &Boot) -> Result<(), String> {
     // SAFETY: valid buffer and length.
     if unsafe { libc::sethostname(h.as_ptr(), b.hostname.len()) } != 0 {
         return Err(format!("sethostname {:?}: {}", b.hostname, errno()));
+    }
+    crate::net::loopback()?;
+    if let Some(n) = &b.network {
+        crate::net::configure(n)?;
+        let files = crate::net::files(n, &b.hostname);
+        let made = crate::net::mount_files(&files, Path::new("/net"), Path::new(NEWROOT))?;
+        let _ = MOUNT_POINTS.set(made.into_iter().map(PathBuf::from).collect());
     }
     if b.root_device {
         let dev = std::fs::read_to_string("/sys/block/vda/dev")

@@ -36,8 +36,8 @@ use amber_oci::media::{
 
 /// The version of `MODULES`: part of the registry's kernel artifact tag, so a registry
 /// holding an older module set is given a new artifact instead of failing a setup (set 1,
-/// tagged `kernel-<release>`, had no virtio_balloon).
-pub const MODULE_SET: u32 = 2;
+/// tagged `kernel-<release>`, had no virtio_balloon; set 2 had no virtio_net).
+pub const MODULE_SET: u32 = 3;
 
 /// Modules the guest needs, in load order (paths under lib/modules/<release>/kernel/).
 pub const MODULES: &[&str] = &[
@@ -48,6 +48,10 @@ pub const MODULES: &[&str] = &[
     "drivers/char/virtio_console.ko",
     // Free page reporting: the guest hands memory it freed back to the host.
     "drivers/virtio/virtio_balloon.ko",
+    // The network interface of sandboxes created with a network.
+    "net/core/failover.ko",
+    "drivers/net/net_failover.ko",
+    "drivers/net/virtio_net.ko",
     "lib/libcrc32c.ko",
     "fs/erofs/erofs.ko",
     "fs/overlayfs/overlay.ko",

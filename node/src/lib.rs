@@ -17,6 +17,8 @@
 //!   files (`files`); `http`: the node API over it (OpenAPI); `daemon`: `amberd`, the one
 //!   process per node serving it; `client`: the Rust client of that API;
 //! - `snapshot`: a sandbox's files committed as a new image (one more layer);
+//! - `network`: a sandbox's network spec read into the netstack's policy (amber-netstack
+//!   runs it), the guest's interface settings;
 //! - `run`: one-shot runs (`amber run`, `amber reproduce`); `receipt`: what a run
 //!   depended on.
 
@@ -31,6 +33,7 @@ pub mod image;
 pub mod initramfs;
 pub mod kernel;
 pub mod mux;
+pub mod network;
 pub mod process;
 pub mod qmp;
 pub mod receipt;

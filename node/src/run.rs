@@ -80,9 +80,11 @@ pub async fn launch(
             root_device: a.root_device,
             page_reporting_order,
             writable_disk: a.disk_mib > 0,
+            network: None,
         },
         prefetch: false,
         root_image: None,
+        network: None,
     };
     Ok((resolved, state, l))
 }

@@ -18,8 +18,10 @@ use crate::command::ExecDefaults;
 use crate::disk::{self, DiskError};
 use crate::exports::{Export, ExportError, Exports};
 use crate::mux::{Mux, SessionTx};
+use crate::network::{Network, NetworkError};
 use crate::receipt;
 use crate::vm::{Root, Vm, VmError, VmSpec};
+use amber_netstack::Netstack;
 
 /// Everything needed to boot a sandbox.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -36,6 +38,9 @@ pub struct Launch {
     /// Boot from this local raw image instead of the NBD export (benchmarks).
     #[serde(default)]
     pub root_image: Option<PathBuf>,
+    /// The sandbox's network (`boot.network` says how the guest sets it up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<amber_api::node::NetworkSpec>,
 }
 
 /// Why a sandbox did not start.
@@ -56,6 +61,10 @@ pub enum StartError {
     Integrity(Arc<CacheError>),
     #[error(transparent)]
     Disk(#[from] DiskError),
+    #[error(transparent)]
+    Network(#[from] NetworkError),
+    #[error("the sandbox's network: {0}")]
+    Net(#[from] amber_netstack::NetError),
     #[error("the VM failed to start: {0}")]
     Vm(VmError),
 }
@@ -66,10 +75,12 @@ impl From<VmError> for StartError {
     }
 }
 
-/// A running sandbox: its VM, the env export feeding it, and its work directory.
+/// A running sandbox: its VM, the env export feeding it, its network and its work
+/// directory.
 pub struct Sandbox {
     pub vm: Vm,
     export: Arc<Export>,
+    net: Option<Netstack>,
     work: PathBuf,
     spec: VmSpec,
 }
@@ -78,6 +89,8 @@ pub struct Sandbox {
 /// `state`, its writable disk where it was (`work`), and its env's export stays open.
 pub struct Paused {
     export: Arc<Export>,
+    /// Runs on while paused: the guest's connections are there when it resumes.
+    net: Option<Netstack>,
     work: PathBuf,
     spec: VmSpec,
     protocol: u32,
@@ -99,6 +112,7 @@ impl Paused {
                 Ok(Sandbox {
                     vm,
                     export: self.export,
+                    net: self.net,
                     work: self.work,
                     spec: self.spec,
                 })
@@ -129,9 +143,10 @@ impl Sandbox {
             source,
         })?;
         match Self::boot(exports, &work, l).await {
-            Ok((export, vm, spec)) => Ok(Sandbox {
+            Ok((export, vm, spec, net)) => Ok(Sandbox {
                 vm,
                 export,
+                net,
                 work,
                 spec,
             }),
@@ -149,7 +164,16 @@ impl Sandbox {
         exports: &Exports,
         work: &std::path::Path,
         l: &Launch,
-    ) -> Result<(Arc<Export>, Vm, VmSpec), StartError> {
+    ) -> Result<(Arc<Export>, Vm, VmSpec, Option<Netstack>), StartError> {
+        // The network first: QEMU connects to its link as it starts.
+        let net = match &l.network {
+            Some(spec) => {
+                let n = Network::parse(spec)?;
+                let link = work.join("net.sock");
+                Some(Netstack::start(&link, n.policy, &n.publish).await?)
+            }
+            None => None,
+        };
         let export = exports.export(&l.env).await?;
         if l.prefetch {
             use futures_util::StreamExt;
@@ -190,10 +214,11 @@ impl Sandbox {
                 None => Root::Nbd(export.socket.clone()),
             },
             disk,
+            net: net.as_ref().map(|_| work.join("net.sock")),
             work: work.to_path_buf(),
         };
         match Vm::boot(&spec, &l.boot).await {
-            Ok(vm) => Ok((export, vm, spec)),
+            Ok(vm) => Ok((export, vm, spec, net)),
             Err(e) => Err(match export.device.integrity_failure() {
                 Some(i) => StartError::Integrity(i),
                 None => StartError::Vm(e),
@@ -207,6 +232,11 @@ impl Sandbox {
         self.export.device.integrity_failure()
     }
 
+    /// Where the host reaches the sandbox's published ports.
+    pub fn published(&self) -> &[amber_netstack::Published] {
+        self.net.as_ref().map_or(&[], |n| n.published.as_slice())
+    }
+
     /// The lazy device the VM's root reads.
     pub fn device(&self) -> &Arc<LazyDevice> {
         &self.export.device
@@ -218,6 +248,7 @@ impl Sandbox {
         let Sandbox {
             vm,
             export,
+            net,
             work,
             spec,
         } = self;
@@ -226,6 +257,7 @@ impl Sandbox {
         match vm.pause(&state).await {
             Ok(()) => Ok(Paused {
                 export,
+                net,
                 work,
                 spec,
                 protocol,

@@ -395,6 +395,9 @@ impl Node {
                 return Err(bad(format!("accel must be kvm or tcg, not {a:?}")));
             }
         }
+        if let Some(n) = &c.network {
+            crate::network::Network::parse(n).map_err(|e| bad(format!("network: {e}")))?;
+        }
         if let Some(h) = &c.hostname {
             if h.is_empty()
                 || h.len() > 63
@@ -555,6 +558,10 @@ impl Node {
         let (resolved, state, mut launch) =
             run::launch(&self.registry, &self.home, &opts, Some(node_state)).await?;
         launch.prefetch = c.prefetch;
+        if let Some(n) = &c.network {
+            launch.network = Some(n.clone());
+            launch.boot.network = Some(crate::network::guest());
+        }
         let (kernel_digest, initramfs_digest) = (state.kernel, state.initramfs);
         let base = request(
             &resolved.config,
@@ -586,6 +593,7 @@ impl Node {
             accel: launch.shape.accel.clone(),
             parents: resolved.parents.clone(),
             state_bytes: None,
+            network: c.network.as_ref().map(|n| crate::network::info(n, &[])),
         };
         let record = Record {
             info: info.clone(),
@@ -1133,6 +1141,9 @@ async fn run(
             info.status = SandboxStatus::Running;
             info.reason = None;
             info.state_bytes = None;
+            if let Some(n) = &e.record.launch.network {
+                info.network = Some(crate::network::info(n, sandbox.published()));
+            }
         }
         e.phase.send_replace(Phase::Running(Running {
             mux: sandbox.vm.mux.clone(),

@@ -59,6 +59,8 @@ pub struct VmSpec {
     /// The sandbox's writable disk (`disk`), attached after the root so the root stays
     /// the guest's /dev/vda (what agents before the writable disk mount).
     pub disk: Option<PathBuf>,
+    /// The netstack's link socket, when the sandbox has a network (`network`).
+    pub net: Option<PathBuf>,
     pub work: PathBuf,
 }
 
@@ -217,6 +219,9 @@ impl VmSpec {
                 "-device".into(),
                 format!("virtio-blk-device,drive=rw,serial={WRITABLE_DISK_SERIAL}"),
             ]);
+        }
+        if let Some(link) = &self.net {
+            args.extend(crate::network::qemu_args(link));
         }
         args
     }

@@ -94,6 +94,15 @@ pub fn debian_base() {
     ]);
 }
 
+/// Imports the busybox test root fs (`fixtures/busybox-rootfs.sh`) as
+/// `amber-test/busybox:1`: a small image with wget, nc, httpd and nslookup.
+pub fn busybox_base() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let tar = dir.path().join("busybox.tar");
+    run(Command::new(repo_root().join("fixtures/busybox-rootfs.sh")).arg(&tar));
+    docker_ok(&["import", &tar.display().to_string(), "amber-test/busybox:1"]);
+}
+
 /// Builds `dockerfile` (with `files` beside it) as `image` and pushes it with the Docker
 /// engine; returns the pushed manifest digest.
 pub fn build_and_push(image: &str, dockerfile: &str, files: &[(&str, &Path)]) -> String {

@@ -119,9 +119,38 @@ struct VmArgs {
     /// Also expose the read-only root device as /dev/vda in the sandbox.
     #[arg(long)]
     root_device: bool,
+    /// Give the sandbox a network interface (implied by the three below); without one
+    /// it has only its loopback.
+    #[arg(long)]
+    network: bool,
+    /// A destination the sandbox may connect to: ADDR, CIDR, ADDR:PORT or CIDR:PORT
+    /// (IPv4; 127.0.0.1:PORT is the host's loopback port, at 10.0.2.2 inside).
+    #[arg(long = "allow", value_name = "RULE")]
+    allow: Vec<String>,
+    /// A host service the sandbox reaches at 10.0.2.2 (host.amber.internal):
+    /// PORT=ADDR:PORT, or ADDR:PORT for the same port.
+    #[arg(long = "host-service", value_name = "SPEC")]
+    host_services: Vec<String>,
+    /// A port of the sandbox the host reaches: PORT (a free port on 127.0.0.1) or
+    /// PORT=ADDR:PORT; `amber create --json` shows where.
+    #[arg(long = "publish", short = 'p', value_name = "SPEC")]
+    publish: Vec<String>,
 }
 
 impl VmArgs {
+    /// The network these flags ask for, if any.
+    fn network(&self) -> Option<amber_api::node::NetworkSpec> {
+        let any = self.network
+            || !self.allow.is_empty()
+            || !self.host_services.is_empty()
+            || !self.publish.is_empty();
+        any.then(|| amber_api::node::NetworkSpec {
+            allow: self.allow.clone(),
+            host_services: self.host_services.clone(),
+            ports: self.publish.clone(),
+        })
+    }
+
     fn options(&self) -> VmOptions {
         VmOptions {
             reference: self.reference.clone(),
@@ -364,6 +393,7 @@ fn create_request(v: &VmArgs, image: String, hostname: Option<String>) -> Create
         accel: None,
         root_device: v.root_device,
         prefetch: false,
+        network: v.network(),
     }
 }
 
@@ -544,8 +574,7 @@ async fn create(registry: &RegistryClient, node: &Path, a: CreateArgs) -> anyhow
     c.lifetime_s = a.lifetime;
     c.idle_timeout_s = a.idle_timeout;
     if a.count == 1 {
-        let s = client.create(&c).await?;
-        println!("{}", s.id);
+        created(&client.create(&c).await?);
         return Ok(0);
     }
     anyhow::ensure!(a.count > 0, "--count must be at least 1");
@@ -555,7 +584,7 @@ async fn create(registry: &RegistryClient, node: &Path, a: CreateArgs) -> anyhow
     let mut failed = 0;
     for item in client.create_batch(&batch).await?.results {
         match (item.sandbox, item.error) {
-            (Some(s), _) => println!("{}", s.id),
+            (Some(s), _) => created(&s),
             (None, Some(e)) => {
                 eprintln!("amber: {}", e.message);
                 failed += 1;
@@ -564,6 +593,14 @@ async fn create(registry: &RegistryClient, node: &Path, a: CreateArgs) -> anyhow
         }
     }
     Ok(if failed == 0 { 0 } else { 1 })
+}
+
+/// Prints a new sandbox's id, and on stderr where the host reaches its published ports.
+fn created(s: &amber_api::node::SandboxInfo) {
+    println!("{}", s.id);
+    for p in s.network.iter().flat_map(|n| &n.ports) {
+        eprintln!("amber: {} port {} is at {}", s.id, p.guest_port, p.host);
+    }
 }
 
 async fn exec(node: &Path, a: ExecArgs) -> anyhow::Result<i32> {
