@@ -125,7 +125,7 @@ pub struct NetworkSpec {
     #[serde(default)]
     pub host_services: Vec<String>,
     /// Ports of the sandbox the host reaches: `PORT` (on 127.0.0.1, a free port) or
-    /// `PORT=ADDR:PORT` (that host address; port 0 picks one).
+    /// `PORT=ADDR:PORT` (a loopback address of the host; port 0 picks one).
     #[serde(default)]
     pub ports: Vec<String>,
 }

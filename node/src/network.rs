@@ -92,6 +92,13 @@ fn published(spec: &str) -> Result<(u16, SocketAddr), NetworkError> {
     if guest == 0 {
         return Err(bad("guest port 0 names no service"));
     }
+    // A sandbox's port on the node's own network would be open to whoever reaches the
+    // node, past the API's tokens.
+    if !host.ip().is_loopback() {
+        return Err(bad(
+            "only loopback addresses of the node publish a sandbox's port",
+        ));
+    }
     Ok((guest, host))
 }
 
@@ -188,6 +195,10 @@ mod tests {
                 "the host side is not ADDR:PORT",
             ),
             (spec(&[], &[], &["80", "80=127.0.0.1:1"]), "published twice"),
+            (
+                spec(&[], &[], &["80=0.0.0.0:8080"]),
+                "only loopback addresses",
+            ),
         ] {
             let e = Network::parse(&s).unwrap_err().to_string();
             assert!(e.contains(why), "{e}");

@@ -23,12 +23,23 @@ from .errors import (
     Unavailable,
 )
 from .sync import Amber, Sandbox
-from .types import ExecFrame, ExecResult, NodeInfo, Parent, ProcessInfo, SandboxInfo, SnapshotInfo
+from .types import (
+    ExecFrame,
+    ExecResult,
+    Network,
+    NetworkInfo,
+    NodeInfo,
+    Parent,
+    ProcessInfo,
+    PublishedPort,
+    SandboxInfo,
+    SnapshotInfo,
+)
 
 __all__ = [
     "Amber", "AsyncAmber", "AsyncNode", "AsyncSandbox", "NodeAddress", "Sandbox",
     "AmberError", "BadRequest", "CapacityError", "CommandTimeout", "ImageNotFound",
     "IntegrityError", "NodeUnreachable", "NotFound", "SandboxNotRunning", "Unauthorized",
     "Unavailable", "ExecFrame", "ExecResult", "NodeInfo", "ProcessInfo", "SandboxInfo",
-    "Parent", "SnapshotInfo",
+    "Parent", "SnapshotInfo", "Network", "NetworkInfo", "PublishedPort",
 ]

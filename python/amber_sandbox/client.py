@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import random
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
@@ -19,7 +20,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 import httpx
 
 from .errors import BY_KIND, AmberError, CapacityError, CommandTimeout, NodeUnreachable
-from .types import ExecFrame, ExecResult, NodeInfo, ProcessInfo, SandboxInfo, SnapshotInfo
+from .types import ExecFrame, ExecResult, Network, NodeInfo, ProcessInfo, SandboxInfo, SnapshotInfo
 
 
 def _raise_for(r: httpx.Response) -> None:
@@ -402,6 +403,7 @@ class AsyncAmber:
         idle_timeout_s: int | None = None,
         idempotency_key: str | None = None,
         wait: bool = True,
+        network: Network | None = None,
         node: AsyncNode | None = None,
     ) -> AsyncSandbox:
         """A new sandbox of `image` (name:tag, name@sha256:… or blake3:…), ready for
@@ -420,6 +422,7 @@ class AsyncAmber:
             idle_timeout_s=idle_timeout_s,
             idempotency_key=idempotency_key,
             wait=wait,
+            network=dataclasses.asdict(network) if network else None,
         )
         return AsyncSandbox(target, info)
 

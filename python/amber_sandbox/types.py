@@ -27,6 +27,47 @@ class Parent:
 
 
 @dataclass
+class Network:
+    """A sandbox's network (`network=` of `create`). Inside, the sandbox is 10.0.2.15;
+    the host is 10.0.2.2 (`host.amber.internal`), the DNS server 10.0.2.3.
+
+    allow: destinations it may reach, `ADDR`, `CIDR`, `ADDR:PORT` or `CIDR:PORT`
+        (`127.0.0.1:PORT` is the host's loopback port, at 10.0.2.2:PORT inside);
+    host_services: `PORT=ADDR:PORT` services of the host at 10.0.2.2:PORT;
+    ports: `PORT` or `PORT=ADDR:PORT` ports of the sandbox the host reaches.
+    """
+
+    allow: list[str] = field(default_factory=list)
+    host_services: list[str] = field(default_factory=list)
+    ports: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PublishedPort:
+    guest_port: int
+    host: str
+
+
+@dataclass
+class NetworkInfo:
+    """A running sandbox's network: its address, and where its published ports are."""
+
+    address: str
+    gateway: str
+    dns: str
+    allow: list[str] = field(default_factory=list)
+    host_services: list[str] = field(default_factory=list)
+    ports: list[PublishedPort] = field(default_factory=list)
+
+    def port(self, guest_port: int) -> str:
+        """`ADDR:PORT` where the host reaches `guest_port`."""
+        for p in self.ports:
+            if p.guest_port == guest_port:
+                return p.host
+        raise KeyError(f"port {guest_port} of this sandbox is not published")
+
+
+@dataclass
 class SandboxInfo:
     id: str
     image: str
@@ -47,10 +88,16 @@ class SandboxInfo:
     disk_mib: int = 0
     parents: list[Parent] = field(default_factory=list)
     state_bytes: int | None = None
+    network: NetworkInfo | None = None
 
     @classmethod
     def parse(cls, d: dict[str, Any]) -> "SandboxInfo":
-        return _with_parents(cls, d)
+        info = _with_parents(cls, d)
+        if d.get("network"):
+            n = _from(NetworkInfo, d["network"])
+            n.ports = [_from(PublishedPort, p) for p in d["network"].get("ports", [])]
+            info.network = n
+        return info
 
 
 @dataclass

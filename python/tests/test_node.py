@@ -19,6 +19,7 @@ from amber_sandbox import (
     AsyncNode,
     CommandTimeout,
     ImageNotFound,
+    Network,
     NotFound,
     SandboxNotRunning,
     BadRequest,
@@ -168,6 +169,48 @@ async def test_a_snapshot_forks_over_nodes_and_a_sandbox_pauses_and_resumes(node
         finally:
             for s in [sb, *forks]:
                 await s.delete()
+
+
+async def test_a_network_reaches_a_host_service_and_publishes_a_port_across_a_pause(nodes, images):
+    async def pong(reader, writer):
+        await reader.readline()
+        writer.write(b"pong\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(pong, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def get(host: str) -> str:
+        addr, p = host.rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(addr, int(p))
+        writer.write(b"GET /index.html HTTP/1.0\r\n\r\n")
+        body = await reader.read()
+        writer.close()
+        return body.decode()
+
+    async with AsyncAmber([nodes[0].socket]) as amber:
+        net = Network(host_services=[f"9000=127.0.0.1:{port}"], ports=["8080"])
+        sb = await amber.create(images[0], memory_mib=256, network=net)
+        try:
+            assert sb.info.network and sb.info.network.address == "10.0.2.15"
+            host = sb.info.network.port(8080)
+            assert host.startswith("127.0.0.1:")
+            call = "echo ping | nc -w 10 host.amber.internal 9000"
+            assert (await sb.exec(call)).stdout == "pong\n"
+            await sb.exec("mkdir -p /www && echo inside > /www/index.html && httpd -p 8080 -h /www")
+            assert (await get(host)).endswith("\r\n\r\ninside\n")
+            # The network lives on the node while the VM is saved, and the restored VM
+            # reconnects to it: both directions work after the resume.
+            await sb.pause()
+            await sb.resume()
+            assert (await sb.exec(call)).stdout == "pong\n"
+            assert (await get(host)).endswith("\r\n\r\ninside\n")
+            with pytest.raises(BadRequest, match="allow rule \"nowhere\""):
+                await amber.create(images[0], network=Network(allow=["nowhere"]))
+        finally:
+            await sb.delete()
+            server.close()
 
 
 async def test_placement_prefers_the_node_that_caches_the_env(nodes, images, registry, workdir):
