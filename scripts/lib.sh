@@ -13,7 +13,7 @@ DEB_PACKAGES=(
   librocksdb-dev libclang-dev clang pkg-config
   docker.io skopeo buildah podman docker-registry uidmap
   busybox-static erofs-utils curl file debootstrap attr mount
-  e2fsprogs
+  e2fsprogs kmod
 )
 # PyPI packages the tests need (moto: an S3-compatible server; 5.2.2+ answers
 # CompleteMultipartUpload with the element name the AWS SDKs expect).

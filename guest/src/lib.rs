@@ -153,6 +153,9 @@ pub struct Network {
 pub const ENV_DISK_SERIAL: &str = "amber-env";
 /// The virtio-blk serial of a sandbox's writable disk.
 pub const WRITABLE_DISK_SERIAL: &str = "amber-rw";
+/// The virtio-blk serial of the kernel's module tree (an EROFS whose root is
+/// `lib/modules/<release>`), from which the agent loads what the kernel asks for.
+pub const MODULES_DISK_SERIAL: &str = "amber-modules";
 
 /// What to run, resolved by the host from the image config and the user's flags.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]

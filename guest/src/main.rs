@@ -15,7 +15,7 @@
 //!
 //! Modules: `rootfs` (modules, devices, mounts, the move into the root), `users` (the
 //! image's `User` as docker resolves it), `process` (fork/exec, output, the reaper),
-//! `files` (tar copies and snapshots), `net` (loopback, the network interface, resolver
+//! `files` (tar copies and snapshots), `modprobe` (the kernel's module loader), `net` (loopback, the network interface, resolver
 //! and hosts files), `port` (frames to the host), `sys` (libc wrappers); this file
 //! dispatches the host's frames.
 
@@ -34,6 +34,7 @@ use crate::process::{exec, reap, Live, Reaper, Sessions};
 use crate::rootfs::{boot, load_modules, mount, wait_for_devices};
 
 mod files;
+mod modprobe;
 mod net;
 mod port;
 mod process;
@@ -217,6 +218,10 @@ fn serve() -> Result<(), String> {
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.first().is_some_and(|a| a.ends_with("modprobe")) {
+        std::process::exit(modprobe::main(&args[1..]));
+    }
     if std::process::id() != 1 {
         eprintln!("amber-guest runs as the init of an amber microVM");
         std::process::exit(2);

@@ -124,10 +124,33 @@ fn disk_with_serial(serial: &str) -> Option<PathBuf> {
     })
 }
 
+/// Mounts the host's module disk (when it gave one) at `modprobe::TREE` and makes the
+/// agent the kernel's modprobe: `/sbin/modprobe` (the kernel's default helper, run in
+/// the initramfs's root) links to it.
+fn module_tree() -> Result<(), String> {
+    let Some(dev) = disk_with_serial(amber_guest::MODULES_DISK_SERIAL) else {
+        return Ok(());
+    };
+    mount(
+        &dev.display().to_string(),
+        crate::modprobe::TREE,
+        "erofs",
+        libc::MS_RDONLY,
+        "",
+    )?;
+    std::fs::create_dir_all("/sbin").map_err(|e| format!("creating /sbin: {e}"))?;
+    let _ = std::fs::remove_file("/sbin/modprobe");
+    std::os::unix::fs::symlink("/init", "/sbin/modprobe")
+        .map_err(|e| format!("linking /sbin/modprobe: {e}"))?;
+    std::fs::write("/proc/sys/kernel/modprobe", "/sbin/modprobe\n")
+        .map_err(|e| format!("setting the kernel's modprobe: {e}"))
+}
+
 /// Mounts the env read-only at /lower and the place for the sandbox's writes at /rw:
 /// its own ext4 disk when the host gave one (`writable`), guest memory otherwise.
 pub(crate) fn mount_root(writable: bool) -> Result<(), String> {
     mount("/dev/vda", "/lower", "erofs", libc::MS_RDONLY, "")?;
+    module_tree()?;
     if writable {
         let dev = disk_with_serial(WRITABLE_DISK_SERIAL).ok_or_else(|| {
             format!("the host gave a writable disk, but no block device has the serial {WRITABLE_DISK_SERIAL}")
@@ -277,6 +300,13 @@ pub(crate) fn boot(b: &Boot) -> Result<(), String> {
         {
             return Err(format!("mknod /dev/vda: {}", errno()));
         }
+    }
+    // PID 1 shares its root with the kernel's own threads (CLONE_FS): without its own
+    // copy, the chroot below would move theirs too, and the helpers the kernel runs
+    // (modprobe) would be looked up in the sandbox's files instead of the initramfs.
+    // SAFETY: plain unshare of this process's file system attributes.
+    if unsafe { libc::unshare(libc::CLONE_FS) } != 0 {
+        return Err(format!("unshare(CLONE_FS): {}", errno()));
     }
     let root = cstr(NEWROOT);
     // SAFETY: plain chdir/chroot with valid paths.

@@ -8,6 +8,12 @@
 //! receipt's boot files can always be fetched by digest, whatever the archive keeps.
 //! Boot files live on the node under `boot/<sha256 hex>`; `node.json` says which ones
 //! this node runs and which accelerator its probe boot chose.
+//!
+//! The kernel's whole module tree (with depmod's indexes) is an ordinary image too,
+//! `amber/guest:modules-<release>-m<set>`, which the registry converts into an env like
+//! any push: every VM gets it as a second lazy, verified, read-only disk, and the agent
+//! loads a module from it when the kernel asks for one (a bridge, netfilter, loop, fuse:
+//! what Docker and tasks inside a sandbox need), so only the modules used are fetched.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -67,6 +73,9 @@ pub struct NodeState {
     pub initramfs: String,
     /// `kvm` when a probe boot with KVM succeeded, else `tcg`.
     pub accel: String,
+    /// The env of the kernel's module tree (`MODULES_IMAGE`), when setup made one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub modules_env: Option<String>,
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -198,6 +207,48 @@ impl GuestRepo {
         Ok(serde_json::json!({"digest": digest, "size": bytes.len()}))
     }
 
+    /// Pushes an image of one uncompressed layer `tar` under `tag` (the registry
+    /// converts it as any push).
+    async fn push_image(&self, tag: &str, tar: &[u8]) -> anyhow::Result<()> {
+        let diff_id = format!("sha256:{}", sha256_hex(tar));
+        let config = serde_json::json!({
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {},
+            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        });
+        let mut c = self.push_blob(&serde_json::to_vec(&config)?).await?;
+        c["mediaType"] = amber_oci::media::OCI_CONFIG.into();
+        let mut l = self.push_blob(tar).await?;
+        l["mediaType"] = amber_oci::media::OCI_LAYER_TAR.into();
+        let manifest = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_TYPE,
+            "config": c,
+            "layers": [l],
+        });
+        self.put_manifest(tag, &manifest).await
+    }
+
+    async fn put_manifest(&self, tag: &str, manifest: &serde_json::Value) -> anyhow::Result<()> {
+        let url = format!("{}/manifests/{tag}", self.base);
+        let r = self
+            .http
+            .put(&url)
+            .header("Content-Type", MANIFEST_TYPE)
+            .body(serde_json::to_vec(manifest)?)
+            .send()
+            .await
+            .with_context(|| format!("PUT {url}"))?;
+        anyhow::ensure!(
+            r.status().is_success(),
+            "PUT {url}: HTTP {}: {}",
+            r.status(),
+            r.text().await.unwrap_or_default()
+        );
+        Ok(())
+    }
+
     /// Pushes an artifact of `layers` (media type, bytes, title) under `tag`.
     async fn push(&self, tag: &str, layers: &[(&str, &[u8], &str)]) -> anyhow::Result<()> {
         let mut config = self.push_blob(b"{}").await?;
@@ -216,22 +267,7 @@ impl GuestRepo {
             "config": config,
             "layers": descs,
         });
-        let url = format!("{}/manifests/{tag}", self.base);
-        let r = self
-            .http
-            .put(&url)
-            .header("Content-Type", MANIFEST_TYPE)
-            .body(serde_json::to_vec(&manifest)?)
-            .send()
-            .await
-            .with_context(|| format!("PUT {url}"))?;
-        anyhow::ensure!(
-            r.status().is_success(),
-            "PUT {url}: HTTP {}: {}",
-            r.status(),
-            r.text().await.unwrap_or_default()
-        );
-        Ok(())
+        self.put_manifest(tag, &manifest).await
     }
 
     /// The layers of the artifact tagged `tag` (title -> digest); `None` if there is none.
@@ -296,8 +332,56 @@ fn module_name(m: &str) -> String {
 /// vmlinuz and the modules (file name, bytes).
 type KernelFiles = (Vec<u8>, Vec<(String, Vec<u8>)>);
 
-/// The kernel from the Debian archive.
-fn kernel_from_debian(work: &Path) -> anyhow::Result<KernelFiles> {
+/// The tag of the module tree's image in `GUEST_REPO`.
+pub fn modules_tag() -> String {
+    format!("modules-{KERNEL_RELEASE}-m{MODULE_SET}")
+}
+
+/// The kernel package's module tree as a tar of `lib/modules/<release>/` (its root is
+/// that directory), with the indexes `depmod` writes, deterministic (sorted, fixed
+/// owners and times).
+fn module_tree_tar(unpacked: &Path) -> anyhow::Result<Vec<u8>> {
+    let st = Command::new("depmod")
+        .arg("-b")
+        .arg(unpacked)
+        .arg(KERNEL_RELEASE)
+        .status()
+        .context("running depmod (Debian package kmod) for the guest kernel's module indexes")?;
+    if !st.success() {
+        bail!("depmod -b {} {KERNEL_RELEASE} failed", unpacked.display());
+    }
+    let root = unpacked.join(format!("lib/modules/{KERNEL_RELEASE}"));
+    let mut files = Vec::new();
+    let mut stack = vec![root.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let p = e?.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.is_file() {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    let mut b = tar::Builder::new(Vec::new());
+    for p in files {
+        let data = std::fs::read(&p)?;
+        let mut h = tar::Header::new_ustar();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_mtime(0);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_entry_type(tar::EntryType::Regular);
+        let rel = p.strip_prefix(&root).expect("under the root");
+        b.append_data(&mut h, rel, &data[..])?;
+    }
+    Ok(b.into_inner()?)
+}
+
+/// Downloads and unpacks the kernel package into `work/x`.
+fn unpack_debian(work: &Path) -> anyhow::Result<PathBuf> {
     let _ = std::fs::remove_dir_all(work);
     std::fs::create_dir_all(work)?;
     let st = Command::new("apt-get")
@@ -323,6 +407,13 @@ fn kernel_from_debian(work: &Path) -> anyhow::Result<KernelFiles> {
     if !st.success() {
         bail!("dpkg-deb -x {} failed", deb.display());
     }
+    Ok(x)
+}
+
+/// The kernel from the Debian archive, and its module tree (`module_tree_tar`).
+fn kernel_from_debian(work: &Path) -> anyhow::Result<(KernelFiles, Vec<u8>)> {
+    let x = unpack_debian(work)?;
+    let tree = module_tree_tar(&x)?;
     let vmlinuz = std::fs::read(x.join(format!("boot/vmlinuz-{KERNEL_RELEASE}")))?;
     let mut modules = Vec::new();
     for m in MODULES {
@@ -331,7 +422,7 @@ fn kernel_from_debian(work: &Path) -> anyhow::Result<KernelFiles> {
         modules.push((module_name(m), data));
     }
     std::fs::remove_dir_all(work)?;
-    Ok((vmlinuz, modules))
+    Ok(((vmlinuz, modules), tree))
 }
 
 /// Prepares this node: kernel from the registry (or Debian, then pushed), the initramfs
@@ -371,10 +462,12 @@ pub async fn setup(
         }
         None => None,
     };
+    let mut tree = None;
     let (vmlinuz, modules) = match from_registry {
         Some(k) => k,
         None => {
-            let k = kernel_from_debian(&dir.join("kernel-download"))?;
+            let (k, t) = kernel_from_debian(&dir.join("kernel-download"))?;
+            tree = Some(t);
             repo.push(
                 &kernel_tag,
                 &[
@@ -412,17 +505,49 @@ pub async fn setup(
         Ok(old) if old.kernel == kernel => old.accel,
         _ => probe_accel(&boot_path(dir, &kernel)).await,
     };
+    let modules_env = modules_env(dir, registry, &repo, tree).await?;
     let state = NodeState {
         kernel_release: KERNEL_RELEASE.into(),
         kernel,
         initramfs,
         accel,
+        modules_env: Some(modules_env),
     };
     let p = dir.join("node.json");
     let tmp = dir.join("node.json.tmp");
     std::fs::write(&tmp, serde_json::to_vec_pretty(&state)?)?;
     std::fs::rename(&tmp, &p)?;
     Ok(state)
+}
+
+/// The env of the module tree's image: the registry's, or pushed from `tree` (or from
+/// the kernel package, downloaded again) and converted first.
+async fn modules_env(
+    dir: &Path,
+    registry: &RegistryClient,
+    repo: &GuestRepo,
+    tree: Option<Vec<u8>>,
+) -> anyhow::Result<String> {
+    let reference = format!("{GUEST_REPO}:{}", modules_tag());
+    let wait = Duration::from_secs(600);
+    if let Ok(r) = crate::image::resolve(registry, &reference, wait).await {
+        return Ok(r.env.to_string());
+    }
+    let tree = match tree {
+        Some(t) => t,
+        None => {
+            let work = dir.join("kernel-download");
+            let x = unpack_debian(&work)?;
+            let t = module_tree_tar(&x)?;
+            std::fs::remove_dir_all(&work)?;
+            t
+        }
+    };
+    repo.push_image(&modules_tag(), &tree).await?;
+    let r = crate::image::resolve(registry, &reference, wait)
+        .await
+        .with_context(|| format!("the registry's conversion of {reference}"))?;
+    Ok(r.env.to_string())
 }
 
 /// A boot file by digest: from the node (stored under its digest only after it was

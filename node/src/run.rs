@@ -85,6 +85,7 @@ pub async fn launch(
         prefetch: false,
         root_image: None,
         network: None,
+        modules: state.modules_env.as_deref().and_then(|m| m.parse().ok()),
     };
     Ok((resolved, state, l))
 }

@@ -38,6 +38,10 @@ pub struct Launch {
     /// Boot from this local raw image instead of the NBD export (benchmarks).
     #[serde(default)]
     pub root_image: Option<PathBuf>,
+    /// The env of the kernel's module tree, attached as a read-only disk the agent loads
+    /// modules from (`kernel.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub modules: Option<EnvDigest>,
     /// The sandbox's network (`boot.network` says how the guest sets it up).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network: Option<amber_api::node::NetworkSpec>,
@@ -75,11 +79,12 @@ impl From<VmError> for StartError {
     }
 }
 
-/// A running sandbox: its VM, the env export feeding it, its network and its work
-/// directory.
+/// A running sandbox: its VM, the env export feeding it (and the module tree's), its
+/// network and its work directory.
 pub struct Sandbox {
     pub vm: Vm,
     export: Arc<Export>,
+    modules: Option<Arc<Export>>,
     net: Option<Netstack>,
     work: PathBuf,
     spec: VmSpec,
@@ -89,6 +94,7 @@ pub struct Sandbox {
 /// `state`, its writable disk where it was (`work`), and its env's export stays open.
 pub struct Paused {
     export: Arc<Export>,
+    modules: Option<Arc<Export>>,
     /// Runs on while paused: the guest's connections are there when it resumes.
     net: Option<Netstack>,
     work: PathBuf,
@@ -112,6 +118,7 @@ impl Paused {
                 Ok(Sandbox {
                     vm,
                     export: self.export,
+                    modules: self.modules,
                     net: self.net,
                     work: self.work,
                     spec: self.spec,
@@ -143,9 +150,10 @@ impl Sandbox {
             source,
         })?;
         match Self::boot(exports, &work, l).await {
-            Ok((export, vm, spec, net)) => Ok(Sandbox {
+            Ok((export, modules, vm, spec, net)) => Ok(Sandbox {
                 vm,
                 export,
+                modules,
                 net,
                 work,
                 spec,
@@ -164,7 +172,16 @@ impl Sandbox {
         exports: &Exports,
         work: &std::path::Path,
         l: &Launch,
-    ) -> Result<(Arc<Export>, Vm, VmSpec, Option<Netstack>), StartError> {
+    ) -> Result<
+        (
+            Arc<Export>,
+            Option<Arc<Export>>,
+            Vm,
+            VmSpec,
+            Option<Netstack>,
+        ),
+        StartError,
+    > {
         // The network first: QEMU connects to its link as it starts.
         let net = match &l.network {
             Some(spec) => {
@@ -175,6 +192,10 @@ impl Sandbox {
             None => None,
         };
         let export = exports.export(&l.env).await?;
+        let modules = match &l.modules {
+            Some(m) => Some(exports.export(m).await?),
+            None => None,
+        };
         if l.prefetch {
             use futures_util::StreamExt;
             let cache = exports.cache().clone();
@@ -215,10 +236,11 @@ impl Sandbox {
             },
             disk,
             net: net.as_ref().map(|_| work.join("net.sock")),
+            modules: modules.as_ref().map(|m| m.socket.clone()),
             work: work.to_path_buf(),
         };
         match Vm::boot(&spec, &l.boot).await {
-            Ok(vm) => Ok((export, vm, spec, net)),
+            Ok(vm) => Ok((export, modules, vm, spec, net)),
             Err(e) => Err(match export.device.integrity_failure() {
                 Some(i) => StartError::Integrity(i),
                 None => StartError::Vm(e),
@@ -248,6 +270,7 @@ impl Sandbox {
         let Sandbox {
             vm,
             export,
+            modules,
             net,
             work,
             spec,
@@ -257,6 +280,7 @@ impl Sandbox {
         match vm.pause(&state).await {
             Ok(()) => Ok(Paused {
                 export,
+                modules,
                 net,
                 work,
                 spec,

@@ -540,6 +540,9 @@ impl Node {
                         .map(|s| s.accel)
                         .unwrap_or_else(|_| "tcg".into()),
                 },
+                // Pinned boot files (a receipt's) boot without the module disk, as
+                // they were recorded.
+                modules_env: None,
             },
             _ => {
                 let mut s = kernel::read_node(&self.home).map_err(LaunchError::from)?;

@@ -8,8 +8,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use amber_guest::{
-    Boot, BOOT, ENV_DISK_SERIAL, ERROR, EXIT, PAUSE, QUIESCED, READY, RESUME, SHUTDOWN,
-    WRITABLE_DISK_SERIAL,
+    Boot, BOOT, ENV_DISK_SERIAL, ERROR, EXIT, MODULES_DISK_SERIAL, PAUSE, QUIESCED, READY, RESUME,
+    SHUTDOWN, WRITABLE_DISK_SERIAL,
 };
 use serde_json::json;
 
@@ -61,6 +61,8 @@ pub struct VmSpec {
     pub disk: Option<PathBuf>,
     /// The netstack's link socket, when the sandbox has a network (`network`).
     pub net: Option<PathBuf>,
+    /// The NBD socket of the kernel module tree's export (`kernel.rs`).
+    pub modules: Option<PathBuf>,
     pub work: PathBuf,
 }
 
@@ -218,6 +220,17 @@ impl VmSpec {
                 ),
                 "-device".into(),
                 format!("virtio-blk-device,drive=rw,serial={WRITABLE_DISK_SERIAL}"),
+            ]);
+        }
+        if let Some(socket) = &self.modules {
+            args.extend([
+                "-blockdev".into(),
+                format!(
+                    "driver=nbd,node-name=modules,server.type=unix,server.path={},export=amber,read-only=on",
+                    socket.display()
+                ),
+                "-device".into(),
+                format!("virtio-blk-device,drive=modules,serial={MODULES_DISK_SERIAL}"),
             ]);
         }
         if let Some(link) = &self.net {

@@ -108,6 +108,18 @@ fn sandboxes_reach_what_their_policy_allows_and_nothing_else() {
         "ls /sys/class/net && cat /sys/class/net/lo/flags",
     );
     assert_eq!((code, out.as_str()), (0, "lo\n0x9\n"), "{out}");
+    // Kernel modules load when the kernel asks for them, from the node's module disk:
+    // a bridge needs bridge, stp and llc.
+    let (code, out) = sh(
+        &node,
+        &reg,
+        &none,
+        "brctl addbr br0 && cut -d' ' -f1 /proc/modules",
+    );
+    assert_eq!(code, 0, "{out}");
+    for m in ["bridge", "stp", "llc"] {
+        assert!(out.lines().any(|l| l == m), "{m} not loaded: {out}");
+    }
     let (code, out) = sh(&node, &reg, &none, &wget(allowed.port));
     assert_ne!(code, 0, "{out}");
     assert!(out.contains("Network is unreachable"), "{out}");
