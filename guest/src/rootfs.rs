@@ -207,6 +207,15 @@ pub(crate) fn mount_root(writable: bool) -> Result<(), String> {
         libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC | libc::MS_RDONLY,
         "",
     )?;
+    // cgroup v2, writable, as on a machine: a container engine inside makes its own
+    // groups (the read-only sysfs above does not stop a mount on its directory).
+    mount(
+        "cgroup2",
+        &format!("{NEWROOT}/sys/fs/cgroup"),
+        "cgroup2",
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        "nsdelegate",
+    )?;
     mount(
         "tmpfs",
         &format!("{NEWROOT}/dev"),

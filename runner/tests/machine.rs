@@ -1,9 +1,17 @@
-//! Sandbox networking with real VMs: without a network a sandbox reaches nothing (only
-//! its loopback is up); with an allow list it reaches an allowed test server on the
-//! host's loopback and is refused at once by one that is not allowed; DNS answers the
-//! gateway's name always and names of the world only when the world is allowed; 16
-//! sandboxes at once call an exposed host service that records which sandbox each call
-//! came from; a service inside a sandbox answers the host through a published port.
+//! A sandbox behaves like a machine (real VMs). Its network: without one a sandbox
+//! reaches nothing (only its loopback is up); with an allow list it reaches an allowed
+//! test server on the host's loopback and is refused at once by one that is not allowed;
+//! DNS answers the gateway's name always and names of the world only when the world is
+//! allowed; 16 sandboxes at once call an exposed host service that records which sandbox
+//! each call came from; a service inside a sandbox answers the host through a published
+//! port; kernel modules load on demand. Docker inside: an image with Docker Engine and
+//! Compose from Debian's packages starts `dockerd` in a sandbox with no network (cgroup
+//! v2 mounted as on a machine), `docker load` + `docker run` of an image from a file
+//! prints its output, and `docker-compose up` of two services, one calling the other by
+//! its service name over their own network, succeeds. The two tests run side by side.
+//!
+//! Needs AMBER_TEST_DOCKER_ROOTFS (scripts/test builds it: Debian bookworm with
+//! docker.io, docker-compose and iptables).
 
 mod common;
 
@@ -263,4 +271,93 @@ fn sandboxes_reach_what_their_policy_allows_and_nothing_else() {
     for id in [&none, &open, &web] {
         assert!(node.amber(&reg, &["rm", id]).status.success());
     }
+}
+
+const COMPOSE: &str = "\
+version: '2.4'
+services:
+  web:
+    image: amber-test/busybox:1
+    command: sh -c 'mkdir -p /www && echo hello-from-web > /www/index.html && httpd -f -p 80 -h /www'
+  client:
+    image: amber-test/busybox:1
+    depends_on: [web]
+    command: sh -c 'for i in $$(seq 100); do printf \"GET / HTTP/1.0\\r\\n\\r\\n\" | nc -w 5 web 80 && exit 0; sleep 0.1; done; exit 1'
+";
+
+#[test]
+fn docker_and_compose_run_inside_a_sandbox() {
+    let reg = Registry::start(&[]);
+    let node = Node::setup(&reg);
+    docker_ok(&[
+        "import",
+        &env("AMBER_TEST_DOCKER_ROOTFS"),
+        "amber-test/debian-docker:bookworm",
+    ]);
+    build_and_push(
+        &format!("{}/dind/engine:v1", reg.addr),
+        "FROM amber-test/debian-docker:bookworm\nCMD [\"sh\"]\n",
+        &[],
+    );
+    busybox_base();
+    let work = tempfile::tempdir().unwrap();
+    let image_tar = work.path().join("busybox.tar");
+    docker_ok(&[
+        "save",
+        "-o",
+        &image_tar.display().to_string(),
+        "amber-test/busybox:1",
+    ]);
+    let compose = work.path().join("docker-compose.yml");
+    std::fs::write(&compose, COMPOSE).unwrap();
+
+    let o = node.amber(
+        &reg,
+        &[
+            "create",
+            "--memory",
+            "1024",
+            "--cpus",
+            "2",
+            "--disk",
+            "4096",
+            "dind/engine:v1",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let id = stdout(&o).trim().to_string();
+    let sh = |script: &str| {
+        let o = node.amber(
+            &reg,
+            &["exec", &id, "--", "sh", "-c", &format!("{script} 2>&1")],
+        );
+        (o.status.code().unwrap_or(-1), stdout(&o) + &stderr(&o))
+    };
+    for (src, dest) in [
+        (&image_tar, "/root/busybox.tar"),
+        (&compose, "/root/docker-compose.yml"),
+    ] {
+        let o = node.amber(
+            &reg,
+            &["cp", &src.display().to_string(), &format!("{id}:{dest}")],
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    // dockerd in the background, its log in a file; then wait (bounded) until it answers.
+    let (code, out) = sh("setsid dockerd >/var/log/dockerd.log 2>&1 < /dev/null & \
+         timeout 120 sh -c 'until docker info >/dev/null 2>&1; do sleep 0.2; done' \
+         || { tail -30 /var/log/dockerd.log; exit 1; }");
+    assert_eq!(code, 0, "dockerd did not start: {out}");
+    let (code, out) = sh("docker info --format '{{.CgroupVersion}} {{.Driver}}'");
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with("2 "), "cgroup v2 expected: {out}");
+
+    let (code, out) = sh("docker load -i /root/busybox.tar && docker run --rm amber-test/busybox:1 echo hello-from-a-container");
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("hello-from-a-container\n"), "{out}");
+
+    let (code, out) = sh("cd /root && COMPOSE_HTTP_TIMEOUT=600 docker-compose up --no-color --abort-on-container-exit --exit-code-from client");
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("hello-from-web"), "{out}");
+    assert!(node.amber(&reg, &["rm", &id]).status.success());
 }
