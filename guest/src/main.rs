@@ -31,7 +31,8 @@ use amber_guest::{
 use crate::files::{get, put, snapshot};
 use crate::port::Port;
 use crate::process::{exec, reap, Live, Reaper, Sessions};
-use crate::rootfs::{boot, load_modules, mount, wait_for_devices};
+use crate::rootfs::{boot, load_modules, wait_for_devices};
+use crate::sys::mount;
 
 mod files;
 mod modprobe;

@@ -202,7 +202,7 @@ pub(crate) fn mount_files(
             }
             Ok(_) => {}
         }
-        crate::rootfs::mount(
+        crate::sys::mount(
             &src.display().to_string(),
             &target.display().to_string(),
             "",

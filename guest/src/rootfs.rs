@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use amber_guest::{Boot, PORT_NAME, WRITABLE_DISK_SERIAL};
 
-use crate::sys::{cstr, errno};
+use crate::sys::{cstr, errno, mount};
 
 pub(crate) const NEWROOT: &str = "/newroot";
 
@@ -35,23 +35,6 @@ pub(crate) fn writable_disk() -> Option<&'static File> {
 /// process's descriptor of the disk (`/proc/self/fd/N` leads out of a chroot).
 pub(crate) fn upper_dir(disk: &File) -> PathBuf {
     PathBuf::from(format!("/proc/self/fd/{}/upper", disk.as_raw_fd()))
-}
-
-pub(crate) fn mount(
-    src: &str,
-    target: &str,
-    fstype: &str,
-    flags: libc::c_ulong,
-    data: &str,
-) -> Result<(), String> {
-    let _ = std::fs::create_dir_all(target);
-    let (s, t, f, d) = (cstr(src), cstr(target), cstr(fstype), cstr(data));
-    // SAFETY: all pointers are valid NUL-terminated strings for the call's duration.
-    let r = unsafe { libc::mount(s.as_ptr(), t.as_ptr(), f.as_ptr(), flags, d.as_ptr().cast()) };
-    if r != 0 {
-        return Err(format!("mount {fstype} {src} on {target}: {}", errno()));
-    }
-    Ok(())
 }
 
 /// Loads every module the initramfs carries, in order. Returns one line per module that
@@ -241,6 +224,14 @@ pub(crate) fn mount_root(writable: bool) -> Result<(), String> {
             )
         };
     }
+    // Loop devices, as on a machine (the kernel loads `loop` when one is opened).
+    let loops = std::iter::once(("loop-control".to_string(), libc::S_IFCHR, 10, 237))
+        .chain((0..8).map(|n| (format!("loop{n}"), libc::S_IFBLK, 7, n)));
+    for (name, kind, major, minor) in loops {
+        let p = cstr(format!("{NEWROOT}/dev/{name}"));
+        // SAFETY: creating a device node at a valid path.
+        unsafe { libc::mknod(p.as_ptr(), kind | 0o660, libc::makedev(major, minor)) };
+    }
     mount(
         "devpts",
         &format!("{NEWROOT}/dev/pts"),
@@ -318,9 +309,25 @@ pub(crate) fn boot(b: &Boot) -> Result<(), String> {
         return Err(format!("unshare(CLONE_FS): {}", errno()));
     }
     let root = cstr(NEWROOT);
-    // SAFETY: plain chdir/chroot with valid paths.
+    // As switch_root does: the new root moves over the initramfs's, so it is the mount
+    // namespace's root and processes are not "chrooted" (the kernel refuses new user
+    // namespaces to a chrooted process).
+    // SAFETY: plain chdir/mount/chroot with valid paths.
     unsafe {
-        if libc::chdir(root.as_ptr()) != 0 || libc::chroot(c".".as_ptr()) != 0 {
+        if libc::chdir(root.as_ptr()) != 0 {
+            return Err(format!("entering the root: {}", errno()));
+        }
+        if libc::mount(
+            c".".as_ptr(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_MOVE,
+            std::ptr::null(),
+        ) != 0
+        {
+            return Err(format!("moving the root over the initramfs: {}", errno()));
+        }
+        if libc::chroot(c".".as_ptr()) != 0 {
             return Err(format!("entering the root: {}", errno()));
         }
         libc::chdir(c"/".as_ptr());

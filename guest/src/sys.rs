@@ -1,4 +1,4 @@
-//! Thin wrappers over the libc calls the agent makes: C strings, errno, pipes.
+//! Thin wrappers over the libc calls the agent makes: C strings, errno, pipes, mounts.
 
 use std::ffi::{CString, OsStr};
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -20,4 +20,21 @@ pub(crate) fn pipe() -> Result<(OwnedFd, OwnedFd), String> {
     }
     // SAFETY: pipe2 just returned these descriptors to us.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+pub(crate) fn mount(
+    src: &str,
+    target: &str,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> Result<(), String> {
+    let _ = std::fs::create_dir_all(target);
+    let (s, t, f, d) = (cstr(src), cstr(target), cstr(fstype), cstr(data));
+    // SAFETY: all pointers are valid NUL-terminated strings for the call's duration.
+    let r = unsafe { libc::mount(s.as_ptr(), t.as_ptr(), f.as_ptr(), flags, d.as_ptr().cast()) };
+    if r != 0 {
+        return Err(format!("mount {fstype} {src} on {target}: {}", errno()));
+    }
+    Ok(())
 }
