@@ -540,9 +540,10 @@ impl Node {
                         .map(|s| s.accel)
                         .unwrap_or_else(|_| "tcg".into()),
                 },
-                // Pinned boot files (a receipt's) boot without the module disk, as
-                // they were recorded.
-                modules_env: None,
+                // The node's module tree (receipts do not pin it yet).
+                modules_env: kernel::read_node(&self.home)
+                    .ok()
+                    .and_then(|s| s.modules_env),
             },
             _ => {
                 let mut s = kernel::read_node(&self.home).map_err(LaunchError::from)?;
