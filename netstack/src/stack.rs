@@ -172,7 +172,7 @@ pub(crate) struct Stack {
     next_id: u64,
     pending_syn: HashMap<Flow, Vec<u8>>,
     dns: SocketHandle,
-    dns_in_flight: Arc<()>,
+    dns_in_flight: Arc<tokio::sync::Semaphore>,
     udp_bound: HashMap<SocketAddrV4, SocketHandle>,
     udp_flows: HashMap<Flow, UdpFlow>,
     next_port: u16,
@@ -222,7 +222,7 @@ impl Stack {
             next_id: 0,
             pending_syn: HashMap::new(),
             dns,
-            dns_in_flight: Arc::new(()),
+            dns_in_flight: Arc::new(tokio::sync::Semaphore::new(DNS_IN_FLIGHT)),
             udp_bound: HashMap::new(),
             udp_flows: HashMap::new(),
             next_port: 49152,
@@ -528,11 +528,10 @@ impl Stack {
                     let _ = s.send_slice(&r, meta.endpoint);
                 }
                 Some(Plan::Resolve(name)) => {
-                    if Arc::strong_count(&self.dns_in_flight) > DNS_IN_FLIGHT {
+                    let Ok(token) = self.dns_in_flight.clone().try_acquire_owned() else {
                         continue;
-                    }
+                    };
                     let (query, to, events) = (q.to_vec(), meta.endpoint, self.events.clone());
-                    let token = self.dns_in_flight.clone();
                     tokio::spawn(async move {
                         let _token = token;
                         let found = tokio::time::timeout(

@@ -210,17 +210,17 @@ impl GuestRepo {
     /// Pushes an image of one uncompressed layer `tar` under `tag` (the registry
     /// converts it as any push).
     async fn push_image(&self, tag: &str, tar: &[u8]) -> anyhow::Result<()> {
-        let diff_id = format!("sha256:{}", sha256_hex(tar));
+        let mut l = self.push_blob(tar).await?;
+        l["mediaType"] = amber_oci::media::OCI_LAYER_TAR.into();
+        // An uncompressed layer's diff id is its digest.
         let config = serde_json::json!({
             "architecture": "amd64",
             "os": "linux",
             "config": {},
-            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+            "rootfs": {"type": "layers", "diff_ids": [l["digest"]]},
         });
         let mut c = self.push_blob(&serde_json::to_vec(&config)?).await?;
         c["mediaType"] = amber_oci::media::OCI_CONFIG.into();
-        let mut l = self.push_blob(tar).await?;
-        l["mediaType"] = amber_oci::media::OCI_LAYER_TAR.into();
         let manifest = serde_json::json!({
             "schemaVersion": 2,
             "mediaType": MANIFEST_TYPE,
@@ -303,20 +303,25 @@ impl GuestRepo {
     }
 }
 
+/// Appends a regular file with a fixed owner, mode and time (deterministic tars).
+fn append_file(b: &mut tar::Builder<Vec<u8>>, path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let mut h = tar::Header::new_ustar();
+    h.set_size(data.len() as u64);
+    h.set_mode(0o644);
+    h.set_mtime(0);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_entry_type(tar::EntryType::Regular);
+    b.append_data(&mut h, path, data)
+}
+
 /// The modules as a deterministic tar (sorted, fixed owner, mode and time).
 fn modules_tar(modules: &[(String, Vec<u8>)]) -> anyhow::Result<Vec<u8>> {
     let mut b = tar::Builder::new(Vec::new());
     let mut sorted: Vec<_> = modules.iter().collect();
     sorted.sort_by(|a, b| a.0.cmp(&b.0));
     for (name, data) in sorted {
-        let mut h = tar::Header::new_ustar();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_mtime(0);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_entry_type(tar::EntryType::Regular);
-        b.append_data(&mut h, name, &data[..])?;
+        append_file(&mut b, Path::new(name), data)?;
     }
     Ok(b.into_inner()?)
 }
@@ -366,16 +371,8 @@ fn module_tree_tar(unpacked: &Path) -> anyhow::Result<Vec<u8>> {
     files.sort();
     let mut b = tar::Builder::new(Vec::new());
     for p in files {
-        let data = std::fs::read(&p)?;
-        let mut h = tar::Header::new_ustar();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_mtime(0);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_entry_type(tar::EntryType::Regular);
         let rel = p.strip_prefix(&root).expect("under the root");
-        b.append_data(&mut h, rel, &data[..])?;
+        append_file(&mut b, rel, &std::fs::read(&p)?)?;
     }
     Ok(b.into_inner()?)
 }

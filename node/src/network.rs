@@ -102,11 +102,15 @@ fn published(spec: &str) -> Result<(u16, SocketAddr), NetworkError> {
     Ok((guest, host))
 }
 
+/// The guest's MAC as QEMU and the agent write it.
+fn guest_mac() -> String {
+    GUEST_MAC.map(|b| format!("{b:02x}")).join(":")
+}
+
 /// How the guest agent sets up its interface.
 pub fn guest() -> amber_guest::Network {
-    let mac = GUEST_MAC.map(|b| format!("{b:02x}")).join(":");
     amber_guest::Network {
-        mac,
+        mac: guest_mac(),
         address: GUEST,
         prefix_len: PREFIX_LEN,
         gateway: GATEWAY,
@@ -117,7 +121,7 @@ pub fn guest() -> amber_guest::Network {
 
 /// QEMU's arguments for the interface whose frames go to the netstack at `link`.
 pub fn qemu_args(link: &std::path::Path) -> [String; 4] {
-    let mac = GUEST_MAC.map(|b| format!("{b:02x}")).join(":");
+    let mac = guest_mac();
     [
         "-netdev".into(),
         format!(

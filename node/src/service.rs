@@ -530,21 +530,22 @@ impl Node {
             root_device: c.root_device,
         };
         let node_state = match (&c.kernel, &c.initramfs) {
-            (Some(k), Some(i)) => kernel::NodeState {
-                kernel_release: String::new(),
-                kernel: k.clone(),
-                initramfs: i.clone(),
-                accel: match &c.accel {
-                    Some(a) => a.clone(),
-                    None => kernel::read_node(&self.home)
-                        .map(|s| s.accel)
-                        .unwrap_or_else(|_| "tcg".into()),
-                },
-                // The node's module tree (receipts do not pin it yet).
-                modules_env: kernel::read_node(&self.home)
-                    .ok()
-                    .and_then(|s| s.modules_env),
-            },
+            (Some(k), Some(i)) => {
+                // This node's own state, if it was set up: the accelerator when none is
+                // asked for, and its module tree (receipts do not pin it yet).
+                let own = kernel::read_node(&self.home).ok();
+                kernel::NodeState {
+                    kernel_release: String::new(),
+                    kernel: k.clone(),
+                    initramfs: i.clone(),
+                    accel: c
+                        .accel
+                        .clone()
+                        .or_else(|| own.as_ref().map(|s| s.accel.clone()))
+                        .unwrap_or_else(|| "tcg".into()),
+                    modules_env: own.and_then(|s| s.modules_env),
+                }
+            }
             _ => {
                 let mut s = kernel::read_node(&self.home).map_err(LaunchError::from)?;
                 if let Some(k) = &c.kernel {
