@@ -200,7 +200,18 @@ async fn drop_session(reg: &AppState, id: &str) -> ApiResult<()> {
     Ok(())
 }
 
+/// At most this much of a refused request's body is read and discarded so that the
+/// client, still sending, reads the error instead of a reset connection.
+const DRAIN_LIMIT: u64 = 256 << 20;
+/// And for at most this long.
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Appends the request body to session `id` and acknowledges it.
+///
+/// On an error the rest of the body is read and discarded (bounded by [`DRAIN_LIMIT`]
+/// and [`DRAIN_TIME`]) before the error is answered: an HTTP/1.1 client that is still
+/// writing a body the server stopped reading sees a broken pipe, not the 507 or 413
+/// that says what to do.
 async fn append(
     reg: &AppState,
     id: &str,
@@ -208,7 +219,50 @@ async fn append(
     state: &mut Option<HashState>,
     req: Request,
 ) -> ApiResult<()> {
-    let headers: &HeaderMap = req.headers();
+    let headers = req.headers().clone();
+    let body = Arc::new(std::sync::Mutex::new(request_stream(req)));
+    let shared = body.clone();
+    let stream: ByteStream = Box::pin(futures_util::stream::poll_fn(move |cx| {
+        shared
+            .lock()
+            .expect("request body lock poisoned")
+            .poll_next_unpin(cx)
+    }));
+    let res = append_stream(reg, id, s, state, &headers, stream).await;
+    if res.is_err() {
+        drain(&body).await;
+    }
+    res
+}
+
+/// Reads and discards what is left of `body`, within [`DRAIN_LIMIT`] and [`DRAIN_TIME`].
+async fn drain(body: &std::sync::Mutex<ByteStream>) {
+    let mut left = DRAIN_LIMIT;
+    let read = async {
+        loop {
+            let next = futures_util::future::poll_fn(|cx| {
+                body.lock()
+                    .expect("request body lock poisoned")
+                    .poll_next_unpin(cx)
+            })
+            .await;
+            match next {
+                Some(Ok(b)) if (b.len() as u64) < left => left -= b.len() as u64,
+                _ => return,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_TIME, read).await;
+}
+
+async fn append_stream(
+    reg: &AppState,
+    id: &str,
+    s: &mut UploadSession,
+    state: &mut Option<HashState>,
+    headers: &HeaderMap,
+    body: ByteStream,
+) -> ApiResult<()> {
     let name = RepoName::parse(&s.repo)?;
     let declared_len: Option<u64> =
         header_str(headers, header::CONTENT_LENGTH).and_then(|v| v.parse().ok());
@@ -280,7 +334,7 @@ async fn append(
         .append_staged(
             id,
             s.offset,
-            limited(request_stream(req), room, &exceeded),
+            limited(body, room, &exceeded),
             &mut |chunk: &[u8]| {
                 if let Some(h) = hs.as_mut() {
                     h.hasher.update(chunk);
