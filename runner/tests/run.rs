@@ -21,11 +21,13 @@ fn amber_run_matches_docker_run_and_a_receipt_reproduces() {
     let dockerfile =
         std::fs::read_to_string(repo_root().join("fixtures/images/python-pip/Dockerfile")).unwrap();
     let image = format!("{}/run/python:v1", reg.addr);
-    let digest = build_and_push(
+    build_cached(
         &image,
         &dockerfile,
         &[("build-ca.crt", std::path::Path::new(&ca))],
+        "",
     );
+    let digest = push(&image);
     let pinned = format!("run/python@{digest}");
 
     let out = node.amber(&reg, &["run", &pinned, "--", "python3", "-c", "print(1)"]);

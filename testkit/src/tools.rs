@@ -106,21 +106,76 @@ pub fn busybox_base() {
 /// Builds `dockerfile` (with `files` beside it) as `image` and pushes it with the Docker
 /// engine; returns the pushed manifest digest.
 pub fn build_and_push(image: &str, dockerfile: &str, files: &[(&str, &Path)]) -> String {
+    let ctx = build_context(dockerfile, files);
+    run(docker()
+        .args(["build", "-q", "--network", "host", "-t", image])
+        .arg(ctx.path()));
+    push(image)
+}
+
+/// Pushes `image` with the Docker engine; returns the pushed manifest digest.
+pub fn push(image: &str) -> String {
+    let out = run(docker().args(["push", image]));
+    out.split("digest: ")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .expect("pushed digest")
+        .to_string()
+}
+
+fn build_context(dockerfile: &str, files: &[(&str, &Path)]) -> tempfile::TempDir {
     let ctx = tempfile::tempdir().expect("temp dir");
     std::fs::write(ctx.path().join("Dockerfile"), dockerfile).expect("writing the Dockerfile");
     for (name, src) in files {
         std::fs::copy(src, ctx.path().join(name))
             .unwrap_or_else(|e| panic!("copying {}: {e}", src.display()));
     }
-    run(docker()
-        .args(["build", "-q", "--network", "host", "-t", image])
-        .arg(ctx.path()));
-    let push = run(docker().args(["push", image]));
-    push.split("digest: ")
-        .nth(1)
-        .and_then(|s| s.split_whitespace().next())
-        .expect("pushed digest")
-        .to_string()
+    ctx
+}
+
+/// Builds `dockerfile` (with `files` beside it) as `image`, or, when an earlier run on this
+/// machine built the same inputs, loads that build from the test cache (AMBER_TEST_CACHE,
+/// where scripts/test also keeps the debootstrapped root file systems). For images whose
+/// build downloads packages (apt, pip, npm): a test run then neither waits for nor
+/// depends on the package mirrors, and the image it pushes is the same every time.
+/// `salt` names inputs outside the context (a base image built by this helper: its key).
+/// Returns this build's key.
+pub fn build_cached(image: &str, dockerfile: &str, files: &[(&str, &Path)], salt: &str) -> String {
+    let mut h = sha2::Sha256::new();
+    for part in [salt, &env("AMBER_TEST_DEBIAN_ROOTFS"), dockerfile] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    for (name, src) in files {
+        let bytes = std::fs::read(src).unwrap_or_else(|e| panic!("reading {}: {e}", src.display()));
+        h.update((name.len() as u64).to_le_bytes());
+        h.update(name.as_bytes());
+        h.update((bytes.len() as u64).to_le_bytes());
+        h.update(&bytes);
+    }
+    let key = hex::encode(h.finalize())[..16].to_string();
+    let cached_tag = format!("amber-test/cached:{key}");
+    let dir = PathBuf::from(env("AMBER_TEST_CACHE")).join("images");
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+    let tar = dir.join(format!("{key}.tar"));
+    if tar.exists() {
+        run(docker().arg("load").arg("-q").arg("-i").arg(&tar));
+    } else {
+        let ctx = build_context(dockerfile, files);
+        run(docker()
+            .args(["build", "-q", "--network", "host", "-t", &cached_tag])
+            .arg(ctx.path()));
+        let partial = dir.join(format!("{key}.tar.partial"));
+        run(docker()
+            .arg("save")
+            .arg("-o")
+            .arg(&partial)
+            .arg(&cached_tag));
+        std::fs::rename(&partial, &tar)
+            .unwrap_or_else(|e| panic!("renaming {}: {e}", partial.display()));
+    }
+    docker_ok(&["tag", &cached_tag, image]);
+    key
 }
 
 /// Peak or current memory of a process from /proc/PID/status (`VmHWM:`, `VmRSS:`), KiB.
