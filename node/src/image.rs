@@ -27,7 +27,7 @@ pub use amber_oci::config::RunConfig;
 pub enum ImageError {
     #[error(transparent)]
     BadReference(#[from] RefError),
-    #[error("{reference} names registry {named}, but this node uses {configured}")]
+    #[error("{reference} names registry {named}, and its name has no valid mirror name in the registry {configured}")]
     OtherRegistry {
         reference: String,
         named: String,
@@ -226,16 +226,20 @@ pub async fn resolve(
         }
         ImageRef::Image(n) => n,
     };
-    if let Some(host) = &name.registry {
-        if host != url_host(registry.base()) {
-            return Err(ImageError::OtherRegistry {
-                reference: reference.into(),
-                named: host.clone(),
-                configured: registry.base().into(),
-            });
+    // An image of another registry is asked for under its mirror name
+    // (`docker.io/library/python`): imported there, or pulled through on this request.
+    let repo = match &name.registry {
+        Some(host) if host != url_host(registry.base()) => {
+            name.mirror_repository()
+                .ok_or_else(|| ImageError::OtherRegistry {
+                    reference: reference.into(),
+                    named: host.clone(),
+                    configured: registry.base().into(),
+                })?
         }
-    }
-    let repo = &name.repository;
+        _ => name.repository.clone(),
+    };
+    let repo = &repo;
     let deadline = std::time::Instant::now() + wait;
     let url = registry.url(&resolve_path(repo, &name.reference()));
     let resolved: Resolve = loop {
@@ -274,7 +278,13 @@ pub async fn resolve(
             });
         }
     }
-    let docs = fetch_image(registry, repo.as_str(), &image).await?;
+    // The registry may have answered for another name (a short name found on Docker Hub).
+    let served =
+        amber_oci::names::RepoName::parse(&resolved.name).map_err(|e| ImageError::BadResolve {
+            reference: reference.into(),
+            why: format!("name {:?}: {e}", resolved.name),
+        })?;
+    let docs = fetch_image(registry, served.as_str(), &image).await?;
     let config_digest = &docs.manifest.config().expect("an image").digest;
     let config = ImageConfig::parse(&docs.config_bytes).map_err(|e| ImageError::Invalid {
         object: "image config".into(),

@@ -51,6 +51,29 @@ impl ImageName {
     }
 }
 
+/// The first component of the repositories that hold images of upstream registry `host`
+/// in amber (imported or pulled through): the host, lowercased, with `:` (not allowed in
+/// a repository name) as `-`. `docker.io` stays `docker.io`, `127.0.0.1:5001` is
+/// `127.0.0.1-5001`.
+pub fn mirror_prefix(host: &str) -> String {
+    host.to_ascii_lowercase().replace(':', "-")
+}
+
+impl ImageName {
+    /// Where amber keeps this image when it names an upstream registry:
+    /// `<mirror_prefix(host)>/<repository>`, the repository as the Docker CLI reads it
+    /// (`library/` before a one-component name on Docker Hub). `None` without a host.
+    pub fn mirror_repository(&self) -> Option<RepoName> {
+        let host = self.registry.as_deref()?;
+        let repo = if host == "docker.io" && !self.repository.as_str().contains('/') {
+            format!("library/{}", self.repository)
+        } else {
+            self.repository.to_string()
+        };
+        RepoName::parse(&format!("{}/{repo}", mirror_prefix(host))).ok()
+    }
+}
+
 /// A reference to something amber can boot.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ImageRef {
@@ -150,6 +173,21 @@ mod tests {
     use super::*;
 
     const D: &str = "sha256:2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824";
+
+    #[test]
+    fn upstream_images_have_a_mirror_repository() {
+        let m = |s: &str| image(s).mirror_repository().map(|r| r.to_string());
+        assert_eq!(
+            m("docker.io/python:3").as_deref(),
+            Some("docker.io/library/python")
+        );
+        assert_eq!(
+            m("127.0.0.1:5001/a/b:v1").as_deref(),
+            Some("127.0.0.1-5001/a/b")
+        );
+        assert_eq!(m("localhost/x").as_deref(), Some("localhost/x"));
+        assert_eq!(m("a/b"), None);
+    }
 
     fn image(s: &str) -> ImageName {
         match ImageRef::parse(s).unwrap() {

@@ -53,6 +53,8 @@ pub struct FileConfig {
     pub max_manifest_bytes: Option<usize>,
     pub immutable_tags: Option<Vec<String>>,
     pub convert_workers: Option<usize>,
+    pub upstreams: Option<Vec<String>>,
+    pub upstream_auth_file: Option<PathBuf>,
 }
 
 /// Flags of `amber-registry serve` (and fsck), each also an `AMBER_*` variable.
@@ -130,6 +132,15 @@ pub struct ConfigArgs {
     /// Images converted at once (0 queues conversions without running them).
     #[arg(long, env = "AMBER_CONVERT_WORKERS")]
     pub convert_workers: Option<usize>,
+    /// Registries this one pulls through: the first request for
+    /// `<host>/<name>:<tag>` (in amber `<mirror prefix>/<name>`, e.g.
+    /// `docker.io/library/python`) imports it. Each `host` or `host=URL` (the URL to
+    /// reach it at; default `https://host`, `http://` for loopback hosts). Comma separated.
+    #[arg(long, env = "AMBER_UPSTREAMS", value_delimiter = ',')]
+    pub upstreams: Option<Vec<String>>,
+    /// Credentials for the upstreams: a file in Docker's `config.json` format.
+    #[arg(long, env = "AMBER_UPSTREAM_AUTH_FILE")]
+    pub upstream_auth_file: Option<PathBuf>,
 }
 
 /// The resolved configuration.
@@ -152,6 +163,8 @@ pub struct Config {
     pub max_manifest_bytes: usize,
     pub immutable_tags: Vec<String>,
     pub convert_workers: usize,
+    pub upstreams: Vec<crate::upstream::UpstreamSpec>,
+    pub upstream_auth_file: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -176,6 +189,8 @@ impl Default for Config {
             convert_workers: std::thread::available_parallelism()
                 .map(|n| n.get().div_ceil(2))
                 .unwrap_or(1),
+            upstreams: Vec::new(),
+            upstream_auth_file: None,
         }
     }
 }
@@ -277,6 +292,17 @@ impl ConfigArgs {
                 .convert_workers
                 .or(file.convert_workers)
                 .unwrap_or(d.convert_workers),
+            upstreams: self
+                .upstreams
+                .clone()
+                .or(file.upstreams)
+                .unwrap_or_default()
+                .iter()
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| s.parse())
+                .collect::<Result<_, _>>()
+                .map_err(|e: crate::upstream::SpecError| ConfigError::Invalid(e.to_string()))?,
+            upstream_auth_file: self.upstream_auth_file.clone().or(file.upstream_auth_file),
         };
         match cfg.auth.as_str() {
             "none" => {}

@@ -377,6 +377,7 @@ fn publish_referrer(
         record: ManifestRecord {
             media_type: amber_oci::media::OCI_MANIFEST.into(),
             size: bytes.len() as u64,
+            source: None,
         },
         tag: None,
         tag_immutable: false,

@@ -67,6 +67,9 @@ pub enum IndexError {
 pub struct ManifestRecord {
     pub media_type: String,
     pub size: u64,
+    /// Where it came from, when it was imported from another registry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<amber_api::registry::ImageSource>,
 }
 
 /// An upload session; its data is the staged object of the same id.
@@ -512,6 +515,7 @@ mod tests {
 
     fn rec() -> ManifestRecord {
         ManifestRecord {
+            source: None,
             media_type: "application/vnd.oci.image.manifest.v1+json".into(),
             size: 3,
         }

@@ -31,3 +31,4 @@ pub mod reindex;
 pub mod repository;
 pub mod server;
 pub mod store;
+pub mod upstream;

@@ -1,4 +1,6 @@
-//! `amber-registry`: serve the registry, or check its storage.
+//! `amber-registry`: serve the registry, check its storage, or import images into it.
+
+mod import_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -30,6 +32,8 @@ enum Command {
     },
     /// Rebuild the index from the object store alone (new replica, lost index).
     Reindex(ConfigArgs),
+    /// Copy images from other OCI registries into a running amber registry.
+    Import(import_cmd::ImportArgs),
     /// Add accounts to the users file (a running registry picks them up).
     #[command(subcommand)]
     User(UserCommand),
@@ -118,6 +122,7 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             amber_registry::server::serve(reg, listener).await?;
             Ok(std::process::ExitCode::SUCCESS)
         }
+        Command::Import(args) => import_cmd::run(args).await,
         Command::Reindex(args) => {
             let s = amber_registry::reindex::reindex(args.resolve()?).await?;
             println!(

@@ -45,6 +45,9 @@ pub struct ManifestLink {
     /// (subject digest, this manifest's descriptor) when the manifest has a subject.
     #[serde(default)]
     pub referrer: Option<(String, Value)>,
+    /// Where it came from, when it was imported from another registry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<amber_api::registry::ImageSource>,
 }
 
 fn corrupt(key: &RecordKey, why: impl std::fmt::Display) -> RecordError {
@@ -101,6 +104,7 @@ impl Registry {
             media_type: w.record.media_type.clone(),
             size: w.record.size,
             referrer: w.referrer.as_ref().map(|(s, d)| (s.to_string(), d.clone())),
+            source: w.record.source.clone(),
         };
         let key = RecordKey::manifest(w.repo, w.digest);
         if self.index.manifest(w.repo, w.digest)?.is_none() {
@@ -311,6 +315,7 @@ impl Registry {
         Ok(Some(ManifestRecord {
             media_type: link.media_type,
             size: link.size,
+            source: link.source,
         }))
     }
 
@@ -335,6 +340,7 @@ impl Registry {
             record: ManifestRecord {
                 media_type: link.media_type.clone(),
                 size: link.size,
+                source: link.source.clone(),
             },
             tag: None,
             tag_immutable: false,

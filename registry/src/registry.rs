@@ -58,6 +58,8 @@ pub struct Registry {
     pub auth: Option<crate::auth::Auth>,
     /// Bounds the upload requests served at once (`max_concurrent_uploads`).
     pub upload_slots: Arc<tokio::sync::Semaphore>,
+    /// The registries this one imports from and pulls through to.
+    pub upstreams: crate::upstream::Upstreams,
 }
 
 impl Registry {
@@ -65,6 +67,10 @@ impl Registry {
         Registry {
             convert_slots: Arc::new(tokio::sync::Semaphore::new(config.convert_workers.max(1))),
             upload_slots: Arc::new(tokio::sync::Semaphore::new(config.max_concurrent_uploads)),
+            upstreams: crate::upstream::Upstreams::new(
+                config.upstreams.clone(),
+                config.upstream_auth_file.clone(),
+            ),
             config,
             index,
             store,

@@ -64,6 +64,19 @@ pub async fn push_manifest(
     bytes: Bytes,
     content_type: Option<&str>,
 ) -> Result<PushedManifest, PushError> {
+    store_manifest(reg, repo, reference, bytes, content_type, None).await
+}
+
+/// [`push_manifest`] for a manifest imported from another registry: the same checks
+/// and effects, and the record says where it came from.
+pub async fn store_manifest(
+    reg: &Arc<Registry>,
+    repo: &RepoName,
+    reference: &Reference,
+    bytes: Bytes,
+    content_type: Option<&str>,
+    source: Option<amber_api::registry::ImageSource>,
+) -> Result<PushedManifest, PushError> {
     let parsed = parse_manifest(&bytes, content_type)?;
     let digest = match reference {
         Reference::Digest(d) => {
@@ -132,6 +145,7 @@ pub async fn push_manifest(
         record: ManifestRecord {
             media_type: parsed.media_type.clone(),
             size: bytes.len() as u64,
+            source,
         },
         tag,
         tag_immutable: reg.config.tags_immutable(repo.as_str()),

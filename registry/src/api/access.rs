@@ -57,6 +57,10 @@ pub fn need_of(method: &Method, route: &Route) -> Need {
 
 /// The need of an amber API request (`/amber/v1/...`).
 pub fn need_of_amber(path: &str) -> Need {
+    if path == amber_api::registry::IMPORTS_PATH {
+        // Checked per target repository by the handler (push rights).
+        return Need::Caller;
+    }
     match path
         .strip_prefix("/amber/v1/resolve/")
         .and_then(|r| r.rsplit_once('/'))

@@ -1,26 +1,40 @@
 //! The amber API under `/amber/v1/` over HTTP; its types and paths are `amber_api::registry`'s.
 
-use amber_api::registry::{ConversionState, Resolve};
+use amber_api::registry::{ConversionState, ImportRequest, Resolve, IMPORTS_PATH};
 use amber_converter::manifest::{ChunkId, EnvDigest};
 use amber_oci::manifest::{parse_manifest, ManifestKind};
+use amber_oci::reference::ImageRef;
 use axum::extract::Request;
 use axum::http::{header, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use super::{header_str, AppState};
 use crate::api::error::{ApiError, ApiResult};
+use crate::auth::{Action, Principal};
 use crate::store::ObjectKey;
 use amber_oci::names::{Reference, RepoName};
 
 const IMMUTABLE: &str = "public, max-age=31536000, immutable";
 
-pub async fn dispatch(reg: &AppState, req: Request) -> ApiResult<Response> {
+pub async fn dispatch(
+    reg: &AppState,
+    req: Request,
+    principal: Option<Principal>,
+) -> ApiResult<Response> {
     let path = req.uri().path().to_string();
     let rest = path.strip_prefix("/amber/v1/").ok_or_else(not_found)?;
     let head = req.method() == Method::HEAD;
+    if path == IMPORTS_PATH {
+        if req.method() != Method::POST {
+            return Err(ApiError::unsupported(format!("{IMPORTS_PATH} takes POST")));
+        }
+        return imports(reg, req, principal).await;
+    }
     if req.method() != Method::GET && !head {
         drop(req);
-        return Err(ApiError::unsupported("the amber API is read-only"));
+        return Err(ApiError::unsupported(
+            "the amber API is read-only but for POST /amber/v1/imports",
+        ));
     }
     if let Some(r) = rest.strip_prefix("resolve/") {
         let (name, reference) = r.rsplit_once('/').ok_or_else(not_found)?;
@@ -54,18 +68,34 @@ fn not_found() -> ApiError {
     )
 }
 
-async fn resolve(reg: &AppState, name: RepoName, r: Reference) -> ApiResult<Response> {
-    let digest = match &r {
-        Reference::Digest(d) => d.clone(),
-        Reference::Tag(t) => reg
-            .tag(&name, t)
-            .await?
-            .ok_or_else(|| ApiError::manifest_unknown(format!("{name}:{t}")))?,
+/// A short name (`python`, `team/app`) that no repository here has: Docker Hub's image
+/// of that name (`docker.io/library/python`) when Docker Hub is an upstream.
+async fn docker_hub_name(reg: &AppState, name: &RepoName) -> ApiResult<Option<RepoName>> {
+    if !reg.upstreams.has_docker_hub()
+        || reg.upstreams.for_repo(name).is_some()
+        || reg.index.repo_exists(name)?
+    {
+        return Ok(None);
+    }
+    let hub = match ImageRef::parse(&format!("docker.io/{name}")) {
+        Ok(ImageRef::Image(n)) => n.mirror_repository(),
+        _ => None,
     };
-    let rec = reg
-        .manifest(&name, &digest)
-        .await?
-        .ok_or_else(|| ApiError::manifest_unknown(format!("{name}@{digest}")))?;
+    Ok(hub)
+}
+
+async fn resolve(reg: &AppState, name: RepoName, r: Reference) -> ApiResult<Response> {
+    let (name, (digest, rec)) = match super::manifests::find(reg, &name, &r).await {
+        Ok(found) => (name, found),
+        Err(e) if e.status == StatusCode::NOT_FOUND => match docker_hub_name(reg, &name).await? {
+            Some(hub) => {
+                let found = super::manifests::find(reg, &hub, &r).await?;
+                (hub, found)
+            }
+            None => return Err(e),
+        },
+        Err(e) => return Err(e),
+    };
     // An index resolves to its linux/amd64 image.
     let mut image = digest.clone();
     if ManifestKind::of(&rec.media_type) == Some(ManifestKind::Index) {
@@ -109,6 +139,7 @@ async fn resolve(reg: &AppState, name: RepoName, r: Reference) -> ApiResult<Resp
         env_digest: env,
         state,
         error: conv.and_then(|c| c.error),
+        source: rec.source,
     };
     Ok((StatusCode::OK, axum::Json(body)).into_response())
 }
@@ -170,4 +201,80 @@ async fn chunk(
         },
     )
     .await
+}
+
+/// The most an import request may take (its list of sources and credentials).
+const MAX_IMPORT_REQUEST: usize = 4 << 20;
+
+/// `POST /amber/v1/imports`: runs the import in the background and answers with its
+/// events, one JSON object per line. The import goes on if the client goes away.
+async fn imports(
+    reg: &AppState,
+    req: Request,
+    principal: Option<Principal>,
+) -> ApiResult<Response> {
+    let bytes = axum::body::to_bytes(req.into_body(), MAX_IMPORT_REQUEST)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "SIZE_INVALID",
+                format!("an import request is at most {MAX_IMPORT_REQUEST} bytes: {e}"),
+            )
+        })?;
+    let request: ImportRequest = serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "UNSUPPORTED",
+            format!("the import request is not an ImportRequest: {e}"),
+        )
+    })?;
+    if request.sources.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "UNSUPPORTED",
+            "the import request names no sources",
+        ));
+    }
+    if let Some(p) = &principal {
+        for s in &request.sources {
+            let target = match ImageRef::parse(s.trim()).map(|r| r.docker_normalized()) {
+                Ok(ImageRef::Image(n)) => n.mirror_repository(),
+                _ => None,
+            };
+            // Unparseable sources are reported in the answer, as failed images.
+            if let Some(t) = target.filter(|t| !p.may(Action::Push, t.as_str())) {
+                return Err(ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "DENIED",
+                    format!("importing {s} writes {t}, which this account may not push to"),
+                ));
+            }
+        }
+    }
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let reg = reg.clone();
+    tokio::spawn(async move { crate::upstream::import(&reg, request, tx).await });
+    let lines = event_lines(rx);
+    Ok((
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        axum::body::Body::from_stream(lines),
+    )
+        .into_response())
+}
+
+/// Each event as one JSON line.
+fn event_lines(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<amber_api::registry::ImportEvent>,
+) -> impl futures_util::Stream<Item = Result<bytes::Bytes, std::convert::Infallible>> {
+    futures_util::stream::poll_fn(move |cx| {
+        rx.poll_recv(cx).map(|e| {
+            e.map(|e| {
+                let mut line = serde_json::to_vec(&e).expect("events serialize");
+                line.push(b'\n');
+                Ok(bytes::Bytes::from(line))
+            })
+        })
+    })
 }

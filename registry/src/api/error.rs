@@ -196,3 +196,26 @@ impl From<crate::repository::PushError> for ApiError {
         }
     }
 }
+
+impl ApiError {
+    /// A pull-through that did not complete: the upstream does not have it (404), or
+    /// could not be read, refused us, or sent bad bytes (502, nothing stored).
+    pub fn upstream(e: crate::upstream::ImportError) -> ApiError {
+        use crate::upstream::{ImportError, UpstreamError};
+        match e {
+            ImportError::Upstream(UpstreamError::NotFound { .. }) => {
+                ApiError::new(StatusCode::NOT_FOUND, "MANIFEST_UNKNOWN", e.to_string())
+            }
+            ImportError::Store(e) => e.into(),
+            ImportError::Record(e) => e.into(),
+            e => {
+                tracing::warn!(err = %e, "pull-through failed");
+                ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "UPSTREAM_FAILED",
+                    format!("pulling through from the upstream failed: {e}"),
+                )
+            }
+        }
+    }
+}

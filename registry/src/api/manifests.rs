@@ -9,26 +9,53 @@ use futures_util::StreamExt;
 
 use super::{header_str, AppState};
 use crate::api::error::{ApiError, ApiResult};
+use crate::index::ManifestRecord;
 use crate::store::ObjectKey;
 use amber_oci::digest::Digest;
 use amber_oci::names::{Reference, RepoName};
 
-async fn resolve(reg: &AppState, name: &RepoName, r: &Reference) -> ApiResult<Digest> {
-    match r {
-        Reference::Digest(d) => Ok(d.clone()),
-        Reference::Tag(t) => reg
-            .tag(name, t)
-            .await?
-            .ok_or_else(|| ApiError::manifest_unknown(format!("{name}:{t}"))),
+/// The manifest `r` names in `name`, if the repository holds it.
+async fn lookup(
+    reg: &AppState,
+    name: &RepoName,
+    r: &Reference,
+) -> ApiResult<Option<(Digest, ManifestRecord)>> {
+    let digest = match r {
+        Reference::Digest(d) => d.clone(),
+        Reference::Tag(t) => match reg.tag(name, t).await? {
+            Some(d) => d,
+            None => return Ok(None),
+        },
+    };
+    Ok(reg.manifest(name, &digest).await?.map(|rec| (digest, rec)))
+}
+
+/// The manifest `r` names in `name`; pulled through from the upstream first when
+/// `name` mirrors one and does not hold it yet.
+pub async fn find(
+    reg: &AppState,
+    name: &RepoName,
+    r: &Reference,
+) -> ApiResult<(Digest, ManifestRecord)> {
+    if let Some(found) = lookup(reg, name, r).await? {
+        return Ok(found);
     }
+    if crate::upstream::pull_through(reg, name, r)
+        .await
+        .map_err(ApiError::upstream)?
+    {
+        if let Some(found) = lookup(reg, name, r).await? {
+            return Ok(found);
+        }
+    }
+    Err(ApiError::manifest_unknown(match r {
+        Reference::Tag(t) => format!("{name}:{t}"),
+        Reference::Digest(d) => format!("{name}@{d}"),
+    }))
 }
 
 pub async fn get(reg: &AppState, name: RepoName, r: Reference, head: bool) -> ApiResult<Response> {
-    let digest = resolve(reg, &name, &r).await?;
-    let rec = reg
-        .manifest(&name, &digest)
-        .await?
-        .ok_or_else(|| ApiError::manifest_unknown(format!("{name}@{digest}")))?;
+    let (digest, rec) = find(reg, &name, &r).await?;
     let builder = Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, &rec.media_type)

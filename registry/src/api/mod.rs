@@ -45,10 +45,11 @@ async fn dispatch(State(reg): State<AppState>, req: Request) -> Response {
         return access::token(&reg, req).await;
     }
     if req.uri().path().starts_with("/amber/") {
-        if let Err(refused) = access::check(&reg, &req, &access::need_of_amber(req.uri().path())) {
-            return refused.into_response();
-        }
-        return amber::dispatch(&reg, req)
+        let principal = match access::check(&reg, &req, &access::need_of_amber(req.uri().path())) {
+            Ok(p) => p,
+            Err(refused) => return refused.into_response(),
+        };
+        return amber::dispatch(&reg, req, principal)
             .await
             .unwrap_or_else(IntoResponse::into_response);
     }
@@ -123,6 +124,7 @@ async fn observe(req: Request, next: Next) -> Response {
             Some("resolve") => "amber_resolve",
             Some("envs") => "amber_env",
             Some("chunks") => "amber_chunk",
+            Some("imports") => "amber_imports",
             _ => "unknown",
         }
     } else {
