@@ -5,6 +5,8 @@ Benchmarks so far:
   registry  push and pull of one image set with skopeo, amber-registry vs CNCF
             distribution 2.8 (Debian's docker-registry); wall time and the server's
             peak resident memory (VmHWM), each run on a fresh data directory.
+  import    (bench_import.py) the task-image corpus copied from distribution by amber-registry
+            import, against skopeo sync between two distribution registries.
   node      (bench_node.py) idle density, exec round trip and a rollout loop through
             amberd's node API, against the Docker engine on the same image.
 """
@@ -930,7 +932,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small image set, 3 runs")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus", "node", "state"], help="run one benchmark")
+    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus", "node", "state", "import"], help="run one benchmark")
     ap.add_argument("--corpus", type=int, help="task images in the corpus (default 200; 20 with --quick)")
     a = ap.parse_args()
     work = os.path.join(RUN, "bench")
@@ -978,6 +980,11 @@ def main():
         import bench_state
         print("sandbox state: snapshots, forks, pause and resume", flush=True)
         sections.append(bench_state.state_section(bench_state.bench_state(work, Server, wait_converted, a.quick)))
+    if a.only in (None, "import"):
+        import bench_import
+        count = a.corpus or (20 if a.quick else 200)
+        print(f"import: the corpus of {count} task images, amber import against skopeo sync", flush=True)
+        sections.append(bench_import.import_section(bench_import.bench_import(work, sys.modules[__name__], count)))
     command = "scripts/bench" + (" --quick" if a.quick else "")
     out = os.path.join(ROOT, "BENCHMARKS.md") if not (a.quick or a.only) else os.path.join(work, "BENCHMARKS.partial.md")
     write_report(out, sections, command)

@@ -163,7 +163,7 @@ pub struct Config {
     pub max_manifest_bytes: usize,
     pub immutable_tags: Vec<String>,
     pub convert_workers: usize,
-    pub upstreams: Vec<crate::upstream::UpstreamSpec>,
+    pub upstreams: Vec<crate::mirrors::UpstreamSpec>,
     pub upstream_auth_file: Option<PathBuf>,
 }
 
@@ -301,7 +301,7 @@ impl ConfigArgs {
                 .filter(|s| !s.trim().is_empty())
                 .map(|s| s.parse())
                 .collect::<Result<_, _>>()
-                .map_err(|e: crate::upstream::SpecError| ConfigError::Invalid(e.to_string()))?,
+                .map_err(|e: crate::mirrors::SpecError| ConfigError::Invalid(e.to_string()))?,
             upstream_auth_file: self.upstream_auth_file.clone().or(file.upstream_auth_file),
         };
         match cfg.auth.as_str() {

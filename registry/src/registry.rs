@@ -59,7 +59,7 @@ pub struct Registry {
     /// Bounds the upload requests served at once (`max_concurrent_uploads`).
     pub upload_slots: Arc<tokio::sync::Semaphore>,
     /// The registries this one imports from and pulls through to.
-    pub upstreams: crate::upstream::Upstreams,
+    pub upstreams: crate::mirrors::Upstreams,
 }
 
 impl Registry {
@@ -67,7 +67,7 @@ impl Registry {
         Registry {
             convert_slots: Arc::new(tokio::sync::Semaphore::new(config.convert_workers.max(1))),
             upload_slots: Arc::new(tokio::sync::Semaphore::new(config.max_concurrent_uploads)),
-            upstreams: crate::upstream::Upstreams::new(
+            upstreams: crate::mirrors::Upstreams::new(
                 config.upstreams.clone(),
                 config.upstream_auth_file.clone(),
             ),
