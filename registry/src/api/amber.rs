@@ -38,7 +38,8 @@ pub async fn dispatch(
     }
     if let Some(r) = rest.strip_prefix("resolve/") {
         let (name, reference) = r.rsplit_once('/').ok_or_else(not_found)?;
-        return resolve(reg, RepoName::parse(name)?, Reference::parse(reference)?).await;
+        let (name, reference) = (RepoName::parse(name)?, Reference::parse(reference)?);
+        return resolve(reg, name, reference, principal.as_ref()).await;
     }
     if let Some(d) = rest.strip_prefix("envs/") {
         let env: EnvDigest = d
@@ -84,15 +85,21 @@ async fn docker_hub_name(reg: &AppState, name: &RepoName) -> ApiResult<Option<Re
     Ok(hub)
 }
 
-async fn resolve(reg: &AppState, name: RepoName, r: Reference) -> ApiResult<Response> {
+async fn resolve(
+    reg: &AppState,
+    name: RepoName,
+    r: Reference,
+    principal: Option<&Principal>,
+) -> ApiResult<Response> {
     let (name, (digest, rec)) = match super::manifests::find(reg, &name, &r).await {
         Ok(found) => (name, found),
         Err(e) if e.status == StatusCode::NOT_FOUND => match docker_hub_name(reg, &name).await? {
-            Some(hub) => {
+            // The caller was checked for `name`; Docker Hub's mirror needs its own right.
+            Some(hub) if principal.is_none_or(|p| p.may(Action::Pull, hub.as_str())) => {
                 let found = super::manifests::find(reg, &hub, &r).await?;
                 (hub, found)
             }
-            None => return Err(e),
+            _ => return Err(e),
         },
         Err(e) => return Err(e),
     };
