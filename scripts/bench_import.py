@@ -53,7 +53,7 @@ def bench_import(work, h, count):
                 f.writelines(f"    corpus/{r}: []\n" for r in repos)
             w0 = wchar(src.proc.pid)
             t0 = time.monotonic()
-            subprocess.run(skopeo + ["sync", "-q", "--src", "yaml", "--dest", "docker", "--dest-tls-verify=false",
+            subprocess.run(skopeo + ["sync", "--src", "yaml", "--dest", "docker", "--dest-tls-verify=false",
                                      spec, f"{dst.addr}/mirror"], check=True, stdout=subprocess.DEVNULL)
             res["skopeo_sync"] = {"seconds": time.monotonic() - t0, "transferred": wchar(src.proc.pid) - w0,
                                   "stored": h.dir_bytes(os.path.join(dst.data, "docker/registry/v2/blobs"))}
