@@ -7,6 +7,8 @@ Benchmarks so far:
             peak resident memory (VmHWM), each run on a fresh data directory.
   import    (bench_import.py) the task-image corpus copied from distribution by amber-registry
             import, against skopeo sync between two distribution registries.
+  machine   (bench_machine.py) TCP from a sandbox to the host, host-service latency and
+            Docker inside, against a Docker container of the same image.
   node      (bench_node.py) idle density, exec round trip and a rollout loop through
             amberd's node API, against the Docker engine on the same image.
 """
@@ -932,7 +934,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small image set, 3 runs")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus", "node", "state", "import"], help="run one benchmark")
+    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus", "node", "state", "import", "machine"], help="run one benchmark")
     ap.add_argument("--corpus", type=int, help="task images in the corpus (default 200; 20 with --quick)")
     a = ap.parse_args()
     work = os.path.join(RUN, "bench")
@@ -985,6 +987,10 @@ def main():
         count = a.corpus or (20 if a.quick else 200)
         print(f"import: the corpus of {count} task images, amber import against skopeo sync", flush=True)
         sections.append(bench_import.import_section(bench_import.bench_import(work, sys.modules[__name__], count)))
+    if a.only in (None, "machine"):
+        import bench_machine
+        print("machine: network and Docker inside, amber and a Docker container", flush=True)
+        sections.append(bench_machine.machine_section(bench_machine.bench_machine(work, sys.modules[__name__], a.quick)))
     command = "scripts/bench" + (" --quick" if a.quick else "")
     out = os.path.join(ROOT, "BENCHMARKS.md") if not (a.quick or a.only) else os.path.join(work, "BENCHMARKS.partial.md")
     write_report(out, sections, command)
