@@ -22,6 +22,8 @@ import subprocess
 import threading
 import time
 
+from bench_node import pct
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20
 STREAM_MIB = 256
@@ -92,11 +94,6 @@ def latency_script(host, port, n):
     return (f"for i in $(seq {n}); do t0=$EPOCHREALTIME; exec 3<>/dev/tcp/{host}/{port} || exit 1; "
             f"printf 'GET / HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n' >&3; read -r line <&3; exec 3>&-; t1=$EPOCHREALTIME; "
             f"echo $(( (${{t1/./}} - ${{t0/./}}) )); done")
-
-
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
 def bench_machine(work, h, quick=False):

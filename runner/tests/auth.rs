@@ -5,15 +5,12 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::io::Write;
+use std::process::Stdio;
 
 use common::*;
 
 const CREDENTIALS: &str = "AMBER_REGISTRY_CREDENTIALS";
-
-fn registry_bin() -> Command {
-    Command::new(target_dir().join("amber-registry"))
-}
 
 #[test]
 fn a_pull_only_robot_runs_an_environment_from_an_authenticated_registry() {
@@ -21,20 +18,7 @@ fn a_pull_only_robot_runs_an_environment_from_an_authenticated_registry() {
     let accounts = tempfile::tempdir().unwrap();
     let users = accounts.path().join("users.toml");
     let users_arg = users.to_str().unwrap();
-    let mut add = registry_bin()
-        .args([
-            "user", "add", "operator", "--push", "*", "--users", users_arg,
-        ])
-        .stdin(Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    add.stdin
-        .take()
-        .unwrap()
-        .write_all(b"operator-secret\n")
-        .unwrap();
-    assert!(add.wait().unwrap().success(), "user add");
+    add_operator(&users, "operator", "operator-secret");
     let robot_token = ok(registry_bin().args([
         "user", "robot", "runner", "--pull", "*", "--users", users_arg,
     ]))

@@ -273,8 +273,21 @@ impl Upstream {
     }
 }
 
-fn registry_bin() -> Command {
-    Command::new(target_dir().join("amber-registry"))
+/// `amber-registry import --jobs 1` of the references in file `list` into `local`.
+fn import_list(local: &Registry, authfile: &Path, list: &Path) -> Command {
+    let mut c = registry_bin();
+    c.args([
+        "import",
+        "--jobs",
+        "1",
+        "--registry",
+        &local.url(""),
+        "--authfile",
+    ])
+    .arg(authfile)
+    .arg("--from-file")
+    .arg(list);
+    c
 }
 
 /// `amber-registry import` into `local`, with `authfile`'s credentials.
@@ -324,19 +337,7 @@ fn images_from_other_registries_import_pull_through_and_run() {
     };
     // Upstream two: amber with token auth.
     let users = work.path().join("users.toml");
-    let mut add = registry_bin()
-        .args(["user", "add", "operator", "--push", "*", "--users"])
-        .arg(&users)
-        .stdin(Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    add.stdin
-        .take()
-        .unwrap()
-        .write_all(b"operator-secret\n")
-        .unwrap();
-    assert!(add.wait().unwrap().success());
+    add_operator(&users, "operator", "operator-secret");
     let amber_up = Registry::start(&["--auth", "token", "--users", users.to_str().unwrap()]);
     let a = Upstream {
         addr: amber_up.addr.clone(),
@@ -457,18 +458,7 @@ fn images_from_other_registries_import_pull_through_and_run() {
         .collect();
     let list = work.path().join("many.txt");
     std::fs::write(&list, format!("# three images\n{}\n", many.join("\n"))).unwrap();
-    let mut first = registry_bin()
-        .args([
-            "import",
-            "--jobs",
-            "1",
-            "--registry",
-            &local.url(""),
-            "--authfile",
-        ])
-        .arg(&authfile)
-        .arg("--from-file")
-        .arg(&list)
+    let mut first = import_list(&local, &authfile, &list)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -491,20 +481,7 @@ fn images_from_other_registries_import_pull_through_and_run() {
     );
     dist.signal("CONT");
     local = local.restart();
-    let rerun = registry_bin()
-        .args([
-            "import",
-            "--jobs",
-            "1",
-            "--registry",
-            &local.url(""),
-            "--authfile",
-        ])
-        .arg(&authfile)
-        .arg("--from-file")
-        .arg(&list)
-        .output()
-        .unwrap();
+    let rerun = import_list(&local, &authfile, &list).output().unwrap();
     let rerun_out = text(&rerun.stdout);
     eprintln!("re-run after the kill:\n{rerun_out}");
     assert!(

@@ -244,10 +244,7 @@ async fn expand(
     let item = |reference: Reference| Item {
         spec: spec.clone(),
         upstream_repo: name.repository.to_string(),
-        display: match &reference {
-            Reference::Tag(t) => format!("{host}/{}:{t}", name.repository),
-            Reference::Digest(d) => format!("{host}/{}@{d}", name.repository),
-        },
+        display: full_reference(&host, name.repository.as_str(), &reference),
         reference,
         target: target.clone(),
     };
@@ -288,14 +285,7 @@ pub async fn pull_through(
         let credentials = reg.upstreams.credentials()?;
         let client = UpstreamClient::new(spec.clone(), credentials.get(&spec.host));
         let item = Item {
-            display: format!(
-                "{}/{upstream_repo}{}",
-                spec.host,
-                match reference {
-                    Reference::Tag(t) => format!(":{t}"),
-                    Reference::Digest(d) => format!("@{d}"),
-                }
-            ),
+            display: full_reference(&spec.host, &upstream_repo, reference),
             spec: spec.clone(),
             upstream_repo,
             reference: reference.clone(),
@@ -379,6 +369,25 @@ async fn fetch_manifest(
     })
 }
 
+/// The manifest an index lists as `child`.
+async fn fetch_child(
+    reg: &Registry,
+    client: &UpstreamClient,
+    repo: &str,
+    child: &amber_oci::manifest::Descriptor,
+) -> Result<Fetched, ImportError> {
+    let r = Reference::Digest(child.digest.clone());
+    fetch_manifest(reg, client, repo, &r, Some(&child.media_type)).await
+}
+
+/// `host/repo:tag` or `host/repo@digest`: how a source record names an upstream image.
+fn full_reference(host: &str, repo: &str, reference: &Reference) -> String {
+    match reference {
+        Reference::Tag(t) => format!("{host}/{repo}:{t}"),
+        Reference::Digest(d) => format!("{host}/{repo}@{d}"),
+    }
+}
+
 /// Imports one image; returns the digest of the manifest its reference now names here.
 async fn import_image(
     reg: &Arc<Registry>,
@@ -395,14 +404,7 @@ async fn import_image(
     match top.parsed.kind {
         ManifestKind::Index if opts.all_platforms => {
             for child in &top.parsed.children {
-                let m = fetch_manifest(
-                    reg,
-                    client,
-                    repo,
-                    &Reference::Digest(child.digest.clone()),
-                    Some(&child.media_type),
-                )
-                .await?;
+                let m = fetch_child(reg, client, repo, child).await?;
                 if m.parsed.kind == ManifestKind::Index {
                     return Err(ImportError::Manifest {
                         host: client.host().into(),
@@ -423,15 +425,7 @@ async fn import_image(
                 digest: top.digest.clone(),
                 why: "the index has no linux/amd64 image (import every platform with --all-platforms)".into(),
             })?;
-            let m = fetch_manifest(
-                reg,
-                client,
-                repo,
-                &Reference::Digest(child.digest.clone()),
-                Some(&child.media_type),
-            )
-            .await?;
-            manifests.push(m);
+            manifests.push(fetch_child(reg, client, repo, child).await?);
         }
         ManifestKind::Image => manifests.push(top),
     }

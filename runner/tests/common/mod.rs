@@ -78,3 +78,25 @@ pub fn stdout(o: &Output) -> String {
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
+
+/// `amber-registry` of this build.
+pub fn registry_bin() -> Command {
+    Command::new(target_dir().join("amber-registry"))
+}
+
+/// Adds account `name` (password `password`, push rights on everything) to the users
+/// file `users` with `amber-registry user add`.
+pub fn add_operator(users: &std::path::Path, name: &str, password: &str) {
+    let mut add = registry_bin()
+        .args(["user", "add", name, "--push", "*", "--users"])
+        .arg(users)
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    add.stdin
+        .take()
+        .unwrap()
+        .write_all(format!("{password}\n").as_bytes())
+        .unwrap();
+    assert!(add.wait().unwrap().success(), "user add {name}");
+}
