@@ -6,16 +6,19 @@
 //! asked for before it is parsed. The image manifest must hash to the image digest that
 //! resolve named, and the config blob to the digest (and size) the manifest names; a
 //! mismatch is `ImageError::Integrity` naming the object, and nothing runs. Every answer
-//! is read with a bound (resolve 64 KiB, manifest 4 MiB, config 32 MiB).
+//! is read with a bound (resolve 64 KiB, manifest 4 MiB, config 32 MiB). Manifests and
+//! blobs come through the registry's one verified client (`amber-distribution`); resolve
+//! is amber's own API.
 
 use std::time::Duration;
 
 use amber_api::registry::{resolve_path, ConversionState, Resolve};
 use amber_converter::manifest::EnvDigest;
+use amber_distribution::DistributionError;
 use amber_oci::config::ImageConfig;
 use amber_oci::digest::Digest;
 use amber_oci::manifest::{parse_manifest, ManifestKind};
-use amber_oci::media::ACCEPT_IMAGE_MANIFEST;
+use amber_oci::names::Reference;
 use amber_oci::reference::{ImageRef, RefError};
 use amber_snapshotter::source::RegistryClient;
 
@@ -44,6 +47,12 @@ pub enum ImageError {
         url: String,
         status: u16,
         body: String,
+        hint: String,
+    },
+    #[error("{source}{hint}")]
+    Registry {
+        #[source]
+        source: DistributionError,
         hint: String,
     },
     #[error("GET {url}: the answer is larger than the {limit} bytes allowed")]
@@ -188,19 +197,6 @@ pub(crate) async fn get(
         })
 }
 
-/// `bytes` when they hash to `expected`; an integrity error naming `object` otherwise.
-fn verified(bytes: Vec<u8>, expected: &Digest, object: &str) -> Result<Vec<u8>, ImageError> {
-    let actual = Digest::of(expected.algorithm(), &bytes);
-    if &actual != expected {
-        return Err(ImageError::Integrity {
-            object: object.to_string(),
-            expected: expected.to_string(),
-            actual: actual.to_string(),
-        });
-    }
-    Ok(bytes)
-}
-
 /// The `host[:port]` of a registry URL.
 fn url_host(url: &str) -> &str {
     let rest = url.split_once("://").map(|(_, r)| r).unwrap_or(url);
@@ -300,23 +296,48 @@ pub async fn resolve(
     })
 }
 
-/// The image manifest `image` of `repo` and its config, each checked against its digest.
+/// The manifest media types an image manifest may have (either format).
+const IMAGE_MANIFEST_TYPES: &[&str] = &[
+    amber_oci::media::OCI_MANIFEST,
+    amber_oci::media::DOCKER_MANIFEST,
+];
+
+/// `e` from reading `object` (`image manifest of <repo>`), as the node reports it: an
+/// integrity error names the object and both digests.
+fn registry_error(registry: &RegistryClient, object: String, e: DistributionError) -> ImageError {
+    match e {
+        DistributionError::Integrity {
+            expected, actual, ..
+        } => ImageError::Integrity {
+            object,
+            expected,
+            actual,
+        },
+        e => ImageError::Registry {
+            hint: registry.denied_hint(&e),
+            source: e,
+        },
+    }
+}
+
+/// The image manifest `image` of `repo` and its config, each checked against its digest
+/// (by the registry's one verified client).
 pub async fn fetch_image(
     registry: &RegistryClient,
     repo: &str,
     image: &Digest,
 ) -> Result<ImageDocs, ImageError> {
-    let manifest = verified(
-        get(
-            registry,
-            &registry.url(&format!("/v2/{repo}/manifests/{image}")),
-            ACCEPT_IMAGE_MANIFEST,
+    let oci = registry.distribution();
+    let object = format!("image manifest of {repo}");
+    let (manifest, _) = oci
+        .manifest(
+            repo,
+            &Reference::Digest(image.clone()),
+            IMAGE_MANIFEST_TYPES,
             MAX_MANIFEST_BYTES,
         )
-        .await?,
-        image,
-        &format!("image manifest of {repo}"),
-    )?;
+        .await
+        .map_err(|e| registry_error(registry, object, e))?;
     let invalid = |object: &str, digest: &Digest, why: String| ImageError::Invalid {
         object: object.into(),
         digest: digest.to_string(),
@@ -332,40 +353,20 @@ pub async fn fetch_image(
         ));
     }
     let config_desc = parsed.config().expect("an image manifest has a config");
-    let config_bytes = verified(
-        get(
-            registry,
-            &registry.url(&format!("/v2/{repo}/blobs/{}", config_desc.digest)),
-            "*/*",
-            MAX_CONFIG_BYTES,
-        )
-        .await?,
-        &config_desc.digest,
-        &format!("image config of {repo}"),
-    )?;
+    let config_bytes = oci
+        .blob(repo, &config_desc.digest, MAX_CONFIG_BYTES)
+        .await
+        .map_err(|e| registry_error(registry, format!("image config of {repo}"), e))?;
     Ok(ImageDocs {
         manifest: parsed,
-        manifest_bytes: manifest,
-        config_bytes,
+        manifest_bytes: manifest.to_vec(),
+        config_bytes: config_bytes.to_vec(),
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn verification_names_the_object() {
-        let d = Digest::of(amber_oci::digest::Algorithm::Sha256, b"right");
-        assert!(verified(b"right".to_vec(), &d, "image config of a").is_ok());
-        let e = verified(b"wrong".to_vec(), &d, "image config of a").unwrap_err();
-        let msg = e.to_string();
-        assert!(
-            msg.starts_with("integrity error: image config of a sha256:"),
-            "{msg}"
-        );
-        assert!(msg.contains(&d.to_string()), "{msg}");
-    }
 
     #[test]
     fn registry_hosts() {

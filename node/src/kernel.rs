@@ -19,6 +19,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use amber_distribution::{DistributionClient, DistributionError, Pusher};
+use amber_oci::digest::Digest;
+use amber_oci::names::Reference;
 use amber_snapshotter::source::RegistryClient;
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
@@ -144,73 +147,49 @@ pub fn read_node(dir: &Path) -> Result<NodeState, BootFileError> {
     })
 }
 
-/// The registry's `amber/guest` repository.
-struct GuestRepo {
-    http: reqwest::Client,
-    base: String,
+/// The most a boot file (vmlinuz, the module set, an initramfs) may take.
+const MAX_BOOT_FILE: usize = 256 << 20;
+/// The most the artifact manifest of boot files may take.
+const MAX_ARTIFACT_MANIFEST: usize = 1 << 20;
+
+/// The registry's `amber/guest` repository, through the registry's one verified client.
+struct GuestRepo<'a> {
+    oci: &'a DistributionClient,
 }
 
-impl GuestRepo {
-    fn new(registry: &RegistryClient) -> GuestRepo {
+impl GuestRepo<'_> {
+    fn new(registry: &RegistryClient) -> GuestRepo<'_> {
         GuestRepo {
-            http: registry.http.clone(),
-            base: registry.url(&format!("/v2/{GUEST_REPO}")),
+            oci: registry.distribution(),
         }
     }
 
     /// A blob, verified against its digest; `None` when the registry does not have it.
     async fn blob(&self, digest: &str) -> anyhow::Result<Option<Vec<u8>>> {
-        let url = format!("{}/blobs/{digest}", self.base);
-        let r = self
-            .http
-            .get(&url)
-            .send()
-            .await
-            .with_context(|| format!("GET {url}"))?;
-        if r.status() == reqwest::StatusCode::NOT_FOUND {
-            return Ok(None);
+        let d: Digest = digest
+            .parse()
+            .with_context(|| format!("boot file digest {digest:?}"))?;
+        match self.oci.blob(GUEST_REPO, &d, MAX_BOOT_FILE).await {
+            Ok(b) => Ok(Some(b.to_vec())),
+            Err(DistributionError::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e.into()),
         }
-        anyhow::ensure!(r.status().is_success(), "GET {url}: HTTP {}", r.status());
-        let bytes = r.bytes().await?.to_vec();
-        let got = format!("sha256:{}", sha256_hex(&bytes));
-        anyhow::ensure!(
-            got == digest,
-            "GET {url}: the registry sent {got}, not {digest}"
-        );
-        Ok(Some(bytes))
     }
 
-    async fn push_blob(&self, bytes: &[u8]) -> anyhow::Result<serde_json::Value> {
-        let digest = format!("sha256:{}", sha256_hex(bytes));
-        let head = self
-            .http
-            .head(format!("{}/blobs/{digest}", self.base))
-            .send()
-            .await?;
-        if !head.status().is_success() {
-            let url = format!("{}/blobs/uploads/?digest={digest}", self.base);
-            let r = self
-                .http
-                .post(&url)
-                .header("Content-Type", "application/octet-stream")
-                .body(bytes.to_vec())
-                .send()
-                .await
-                .with_context(|| format!("POST {url}"))?;
-            anyhow::ensure!(
-                r.status() == reqwest::StatusCode::CREATED,
-                "pushing a boot file to {url}: HTTP {}: {}",
-                r.status(),
-                r.text().await.unwrap_or_default()
-            );
-        }
-        Ok(serde_json::json!({"digest": digest, "size": bytes.len()}))
+    /// Pushes `bytes` unless the repository has them; their descriptor (digest, size).
+    async fn push_blob(pusher: &Pusher<'_>, bytes: &[u8]) -> anyhow::Result<serde_json::Value> {
+        let digest = pusher
+            .push_bytes(bytes::Bytes::copy_from_slice(bytes))
+            .await
+            .context("pushing a boot file")?;
+        Ok(serde_json::json!({"digest": digest.to_string(), "size": bytes.len()}))
     }
 
     /// Pushes an image of one uncompressed layer `tar` under `tag` (the registry
     /// converts it as any push).
     async fn push_image(&self, tag: &str, tar: &[u8]) -> anyhow::Result<()> {
-        let mut l = self.push_blob(tar).await?;
+        let pusher = self.oci.pusher(GUEST_REPO).await?;
+        let mut l = Self::push_blob(&pusher, tar).await?;
         l["mediaType"] = amber_oci::media::OCI_LAYER_TAR.into();
         // An uncompressed layer's diff id is its digest.
         let config = serde_json::json!({
@@ -219,7 +198,7 @@ impl GuestRepo {
             "config": {},
             "rootfs": {"type": "layers", "diff_ids": [l["digest"]]},
         });
-        let mut c = self.push_blob(&serde_json::to_vec(&config)?).await?;
+        let mut c = Self::push_blob(&pusher, &serde_json::to_vec(&config)?).await?;
         c["mediaType"] = amber_oci::media::OCI_CONFIG.into();
         let manifest = serde_json::json!({
             "schemaVersion": 2,
@@ -227,35 +206,20 @@ impl GuestRepo {
             "config": c,
             "layers": [l],
         });
-        self.put_manifest(tag, &manifest).await
-    }
-
-    async fn put_manifest(&self, tag: &str, manifest: &serde_json::Value) -> anyhow::Result<()> {
-        let url = format!("{}/manifests/{tag}", self.base);
-        let r = self
-            .http
-            .put(&url)
-            .header("Content-Type", MANIFEST_TYPE)
-            .body(serde_json::to_vec(manifest)?)
-            .send()
-            .await
-            .with_context(|| format!("PUT {url}"))?;
-        anyhow::ensure!(
-            r.status().is_success(),
-            "PUT {url}: HTTP {}: {}",
-            r.status(),
-            r.text().await.unwrap_or_default()
-        );
+        pusher
+            .put_manifest(tag, serde_json::to_vec(&manifest)?, MANIFEST_TYPE)
+            .await?;
         Ok(())
     }
 
     /// Pushes an artifact of `layers` (media type, bytes, title) under `tag`.
     async fn push(&self, tag: &str, layers: &[(&str, &[u8], &str)]) -> anyhow::Result<()> {
-        let mut config = self.push_blob(b"{}").await?;
+        let pusher = self.oci.pusher(GUEST_REPO).await?;
+        let mut config = Self::push_blob(&pusher, b"{}").await?;
         config["mediaType"] = EMPTY_TYPE.into();
         let mut descs = Vec::new();
         for (media_type, bytes, title) in layers {
-            let mut d = self.push_blob(bytes).await?;
+            let mut d = Self::push_blob(&pusher, bytes).await?;
             d["mediaType"] = (*media_type).into();
             d["annotations"] = serde_json::json!({"org.opencontainers.image.title": title});
             descs.push(d);
@@ -267,24 +231,26 @@ impl GuestRepo {
             "config": config,
             "layers": descs,
         });
-        self.put_manifest(tag, &manifest).await
+        pusher
+            .put_manifest(tag, serde_json::to_vec(&manifest)?, MANIFEST_TYPE)
+            .await?;
+        Ok(())
     }
 
     /// The layers of the artifact tagged `tag` (title -> digest); `None` if there is none.
     async fn artifact(&self, tag: &str) -> anyhow::Result<Option<Vec<(String, String)>>> {
-        let url = format!("{}/manifests/{tag}", self.base);
-        let r = self
-            .http
-            .get(&url)
-            .header("Accept", MANIFEST_TYPE)
-            .send()
+        let r = Reference::parse(tag).with_context(|| format!("boot file tag {tag:?}"))?;
+        let bytes = match self
+            .oci
+            .manifest(GUEST_REPO, &r, &[MANIFEST_TYPE], MAX_ARTIFACT_MANIFEST)
             .await
-            .with_context(|| format!("GET {url}"))?;
-        if r.status() == reqwest::StatusCode::NOT_FOUND {
-            return Ok(None);
-        }
-        anyhow::ensure!(r.status().is_success(), "GET {url}: HTTP {}", r.status());
-        let m: serde_json::Value = r.json().await?;
+        {
+            Ok((b, _)) => b,
+            Err(DistributionError::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let m: serde_json::Value = serde_json::from_slice(&bytes)
+            .with_context(|| format!("the manifest of {GUEST_REPO}:{tag}"))?;
         Ok(Some(
             m["layers"]
                 .as_array()
@@ -522,7 +488,7 @@ pub async fn setup(
 async fn modules_env(
     dir: &Path,
     registry: &RegistryClient,
-    repo: &GuestRepo,
+    repo: &GuestRepo<'_>,
     tree: Option<Vec<u8>>,
 ) -> anyhow::Result<String> {
     let reference = format!("{GUEST_REPO}:{}", modules_tag());

@@ -26,6 +26,7 @@ use amber_api::node::{
     CachedEnv, CreateSandbox, CreateSnapshot, ErrorKind, ExecRequest, NodeInfo, ProcessInfo,
     Resources, SandboxInfo, SandboxStatus, SnapshotInfo,
 };
+use amber_distribution::DistributionError;
 use amber_guest::Request;
 use amber_snapshotter::device::LazyDevice;
 use amber_snapshotter::source::RegistryClient;
@@ -120,10 +121,20 @@ impl From<LaunchError> for NodeError {
     fn from(e: LaunchError) -> NodeError {
         let text = e.to_string();
         match e {
-            LaunchError::Image(ImageError::Refused { status: 404, .. }) => {
-                NodeError::ImageNotFound(text)
-            }
-            LaunchError::Image(ImageError::Integrity { .. }) => NodeError::Integrity(text),
+            LaunchError::Image(
+                ImageError::Refused { status: 404, .. }
+                | ImageError::Registry {
+                    source: DistributionError::NotFound { .. },
+                    ..
+                },
+            ) => NodeError::ImageNotFound(text),
+            LaunchError::Image(
+                ImageError::Integrity { .. }
+                | ImageError::Registry {
+                    source: DistributionError::Corrupt { .. },
+                    ..
+                },
+            ) => NodeError::Integrity(text),
             LaunchError::Image(
                 ImageError::BadReference(_)
                 | ImageError::OtherRegistry { .. }
@@ -143,9 +154,7 @@ impl From<SnapshotError> for NodeError {
             SnapshotError::Refused(_) => NodeError::BadRequest(text),
             SnapshotError::Image(i) => NodeError::from(LaunchError::Image(i)),
             SnapshotError::Guest(_) | SnapshotError::Io { .. } => NodeError::Internal(text),
-            SnapshotError::VmGone
-            | SnapshotError::Unreachable { .. }
-            | SnapshotError::Registry { .. } => NodeError::Unavailable(text),
+            SnapshotError::VmGone | SnapshotError::Registry { .. } => NodeError::Unavailable(text),
         }
     }
 }

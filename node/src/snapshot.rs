@@ -16,6 +16,7 @@
 use std::path::{Path, PathBuf};
 
 use amber_api::node::Parent;
+use amber_distribution::DistributionError;
 use amber_guest::{DATA, ERROR, EXIT, SNAPSHOT};
 use amber_oci::digest::{Algorithm, Digest, Hasher};
 use amber_oci::media::{
@@ -54,17 +55,10 @@ pub enum SnapshotError {
     },
     #[error(transparent)]
     Image(#[from] ImageError),
-    #[error("{what}: {source}")]
-    Unreachable {
-        what: String,
-        #[source]
-        source: reqwest::Error,
-    },
-    #[error("{what}: HTTP {status}: {body}{hint}")]
+    #[error("pushing the snapshot: {source}{hint}")]
     Registry {
-        what: String,
-        status: u16,
-        body: String,
+        #[source]
+        source: DistributionError,
         hint: String,
     },
 }
@@ -351,16 +345,23 @@ pub async fn commit(
     let manifest_bytes = serde_json::to_vec(&manifest).expect("json");
     let image_digest = Digest::of(Algorithm::Sha256, &manifest_bytes);
 
-    let repo = Repo {
-        registry,
-        name: &target.repository,
+    let registry_error = |source: DistributionError| SnapshotError::Registry {
+        hint: registry.denied_hint(&source).replace("use", "push to"),
+        source,
     };
+    let repo = registry
+        .distribution()
+        .pusher(&target.repository)
+        .await
+        .map_err(registry_error)?;
     if target.repository != base.repository {
         for l in docs.manifest.layers() {
-            repo.ensure_blob(&l.digest, base.repository).await?;
+            repo.ensure_blob_from(&l.digest, base.repository)
+                .await
+                .map_err(registry_error)?;
         }
     }
-    if !repo.has_blob(&layer.digest).await? {
+    if !repo.has_blob(&layer.digest).await.map_err(registry_error)? {
         let file =
             tokio::fs::File::open(&layer.path)
                 .await
@@ -368,22 +369,20 @@ pub async fn commit(
                     path: layer.path.clone(),
                     source,
                 })?;
-        repo.upload(&layer.digest, layer.size, reqwest::Body::from(file))
-            .await?;
+        repo.upload(&layer.digest, Some(layer.size), reqwest::Body::from(file))
+            .await
+            .map_err(registry_error)?;
     }
-    if !repo.has_blob(&config_digest).await? {
-        repo.upload(
-            &config_digest,
-            config_bytes.len() as u64,
-            config_bytes.into(),
-        )
-        .await?;
-    }
+    repo.push_bytes(config_bytes.into())
+        .await
+        .map_err(registry_error)?;
     let reference = target
         .tag
         .clone()
         .unwrap_or_else(|| image_digest.to_string());
-    repo.put_manifest(&reference, manifest_bytes).await?;
+    repo.put_manifest(&reference, manifest_bytes, OCI_MANIFEST)
+        .await
+        .map_err(registry_error)?;
     Ok(Committed {
         reference: format!("{}@{image_digest}", target.repository),
         image_digest,
@@ -393,148 +392,6 @@ pub async fn commit(
             .map(|t| format!("{}:{t}", target.repository)),
         parents,
     })
-}
-
-/// A repository of the registry, for pushing.
-struct Repo<'a> {
-    registry: &'a RegistryClient,
-    name: &'a str,
-}
-
-impl Repo<'_> {
-    fn url(&self, path: &str) -> String {
-        self.registry.url(&format!("/v2/{}{path}", self.name))
-    }
-
-    /// An upload session's `Location` as a URL.
-    fn location(&self, r: &reqwest::Response) -> Result<String, SnapshotError> {
-        let loc = r
-            .headers()
-            .get(reqwest::header::LOCATION)
-            .and_then(|v| v.to_str().ok())
-            .ok_or_else(|| SnapshotError::Registry {
-                what: format!("an upload to {}", self.name),
-                status: r.status().as_u16(),
-                body: "no Location header".into(),
-                hint: String::new(),
-            })?;
-        Ok(
-            if loc.starts_with("http://") || loc.starts_with("https://") {
-                loc.to_string()
-            } else {
-                self.registry.url(loc)
-            },
-        )
-    }
-
-    async fn send(
-        &self,
-        what: String,
-        req: reqwest::RequestBuilder,
-        ok: &[u16],
-    ) -> Result<reqwest::Response, SnapshotError> {
-        let r = req
-            .send()
-            .await
-            .map_err(|source| SnapshotError::Unreachable {
-                what: what.clone(),
-                source,
-            })?;
-        if ok.contains(&r.status().as_u16()) {
-            return Ok(r);
-        }
-        let status = r.status();
-        let body = r.text().await.unwrap_or_default();
-        Err(SnapshotError::Registry {
-            what,
-            status: status.as_u16(),
-            body: body.chars().take(4096).collect(),
-            hint: self.registry.access_hint(status).replace("pull", "push to"),
-        })
-    }
-
-    async fn has_blob(&self, d: &Digest) -> Result<bool, SnapshotError> {
-        let url = self.url(&format!("/blobs/{d}"));
-        let r = self
-            .send(
-                format!("HEAD {url}"),
-                self.registry.http.head(&url),
-                &[200, 404],
-            )
-            .await?;
-        Ok(r.status() == reqwest::StatusCode::OK)
-    }
-
-    /// Makes blob `d` of repository `from` present here: a cross-repository mount, or a
-    /// copy when the registry does not mount.
-    async fn ensure_blob(&self, d: &Digest, from: &str) -> Result<(), SnapshotError> {
-        if self.has_blob(d).await? {
-            return Ok(());
-        }
-        let url = self.url(&format!("/blobs/uploads/?mount={d}&from={from}"));
-        let r = self
-            .send(
-                format!("POST {url}"),
-                self.registry.http.post(&url),
-                &[201, 202],
-            )
-            .await?;
-        if r.status() == reqwest::StatusCode::CREATED {
-            return Ok(());
-        }
-        let session = self.location(&r)?;
-        let _ = self.registry.http.delete(&session).send().await;
-        let src = self.registry.url(&format!("/v2/{from}/blobs/{d}"));
-        let r = self
-            .send(format!("GET {src}"), self.registry.http.get(&src), &[200])
-            .await?;
-        let size = r.content_length().unwrap_or(0);
-        self.upload(d, size, reqwest::Body::wrap_stream(r.bytes_stream()))
-            .await
-    }
-
-    /// Uploads `body` (`size` bytes with digest `d`): POST, one streamed PATCH, PUT.
-    async fn upload(
-        &self,
-        d: &Digest,
-        size: u64,
-        body: reqwest::Body,
-    ) -> Result<(), SnapshotError> {
-        let url = self.url("/blobs/uploads/");
-        let r = self
-            .send(format!("POST {url}"), self.registry.http.post(&url), &[202])
-            .await?;
-        let session = self.location(&r)?;
-        let mut patch = self
-            .registry
-            .http
-            .patch(&session)
-            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream");
-        if size > 0 {
-            patch = patch.header(reqwest::header::CONTENT_LENGTH, size);
-        }
-        let r = self
-            .send(format!("PATCH {session}"), patch.body(body), &[202])
-            .await?;
-        let session = self.location(&r)?;
-        let sep = if session.contains('?') { '&' } else { '?' };
-        let put = format!("{session}{sep}digest={d}");
-        self.send(format!("PUT {put}"), self.registry.http.put(&put), &[201])
-            .await?;
-        Ok(())
-    }
-
-    async fn put_manifest(&self, reference: &str, bytes: Vec<u8>) -> Result<(), SnapshotError> {
-        let url = self.url(&format!("/manifests/{reference}"));
-        let req = self
-            .registry
-            .http
-            .put(&url)
-            .header(reqwest::header::CONTENT_TYPE, OCI_MANIFEST)
-            .body(bytes);
-        self.send(format!("PUT {url}"), req, &[201]).await?;
-        Ok(())
-    }
 }
 
 #[cfg(test)]

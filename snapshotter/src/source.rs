@@ -3,6 +3,7 @@
 //! `ChunkSource`.
 
 use amber_converter::manifest::{ChunkId, EnvDigest, ManifestEnvelope};
+use amber_distribution::{Credentials, DistributionClient, DistributionError, Endpoint};
 use async_trait::async_trait;
 use bytes::Bytes;
 
@@ -47,13 +48,16 @@ pub struct RegistrySource {
 /// a robot's token for nodes). Libraries take them as `RegistryClient::new`'s argument.
 pub const CREDENTIALS_ENV: &str = "AMBER_REGISTRY_CREDENTIALS";
 
-/// How a node reaches its registry: the base URL, an HTTP client with timeouts and the
-/// account's credentials on every request (reqwest drops them on a redirect to another
-/// host: presigned S3 URLs need none), and whether there are credentials (for hints).
+/// How a node reaches its registry: the base URL; for amber's own API (resolve, chunks,
+/// block manifests) an HTTP client with timeouts and the account's credentials on every
+/// request (reqwest drops them on a redirect to another host: presigned S3 URLs need
+/// none); for the OCI distribution API (manifests, blobs, pushes) the one verified
+/// client, [`DistributionClient`]; and whether there are credentials (for hints).
 #[derive(Clone, Debug)]
 pub struct RegistryClient {
     base: String,
     pub http: reqwest::Client,
+    distribution: DistributionClient,
     has_credentials: bool,
 }
 
@@ -80,10 +84,44 @@ impl RegistryClient {
             .default_headers(headers)
             .build()
             .expect("HTTP client");
+        let base = base.trim_end_matches('/').to_string();
+        // A base that is no http(s) URL fails every request, each saying which host.
+        let endpoint = Endpoint::from_url(&base).unwrap_or(Endpoint {
+            host: base.clone(),
+            plain_http: false,
+        });
+        let distribution = DistributionClient::new(
+            endpoint,
+            credentials.map_or(Credentials::Anonymous, Credentials::from_pair),
+            std::time::Duration::from_secs(10),
+            timeout,
+            concat!("amber-node/", env!("CARGO_PKG_VERSION")),
+        );
         RegistryClient {
-            base: base.trim_end_matches('/').to_string(),
+            base,
             http,
+            distribution,
             has_credentials: credentials.is_some(),
+        }
+    }
+
+    /// The registry's OCI distribution API: every manifest and blob the node reads or
+    /// pushes goes through it.
+    pub fn distribution(&self) -> &DistributionClient {
+        &self.distribution
+    }
+
+    /// What to do about `e`, for error messages: [`Self::access_hint`] of a refusal.
+    pub fn denied_hint(&self, e: &DistributionError) -> String {
+        if e.is_denied() {
+            // 401 and 403 read alike from here: the hint names both causes.
+            if self.has_credentials {
+                format!(" (check that the account in {CREDENTIALS_ENV} exists and may use this repository)")
+            } else {
+                self.access_hint(reqwest::StatusCode::UNAUTHORIZED)
+            }
+        } else {
+            String::new()
         }
     }
 

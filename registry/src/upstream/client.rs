@@ -1,16 +1,15 @@
-//! Reading one upstream registry through `oci-client`: manifests as raw bytes checked
-//! against their digest, blobs as streams (digest-checked again where they are stored),
-//! tag lists page by page. Anonymous, Basic, and the Docker token flow (oci-client asks
-//! the realm a 401 names for a bearer token, with the Basic credentials if any).
+//! Reading one upstream registry through amber's one distribution client
+//! (`amber-distribution`, over `oci-client`): manifests as raw bytes checked against
+//! their digest, blobs as streams (digest-checked again where they are stored), tag
+//! lists page by page. Anonymous, Basic, and the Docker token flow.
 
 use amber_api::registry::UpstreamCredential;
-use amber_oci::digest::{Algorithm, Digest};
-use amber_oci::media::{DOCKER_LIST, DOCKER_MANIFEST, OCI_INDEX, OCI_MANIFEST};
+use amber_distribution::{
+    Credentials, DistributionClient, DistributionError, Endpoint, ANY_MANIFEST,
+};
+use amber_oci::digest::Digest;
 use amber_oci::names::Reference;
 use bytes::Bytes;
-use futures_util::StreamExt;
-use oci_client::errors::{OciDistributionError, OciErrorCode};
-use oci_client::secrets::RegistryAuth;
 
 use super::UpstreamSpec;
 use crate::store::ByteStream;
@@ -47,197 +46,115 @@ pub enum UpstreamError {
     },
 }
 
-/// Manifest media types asked for, in order of preference.
-const ACCEPT: &[&str] = &[OCI_INDEX, OCI_MANIFEST, DOCKER_LIST, DOCKER_MANIFEST];
-/// Tags asked for per page.
-const TAG_PAGE: usize = 1000;
+/// The most an upstream manifest may take when read (the default `max_manifest_bytes`;
+/// storing it checks the configured limit again).
+const MAX_MANIFEST_BYTES: usize = 4 << 20;
 
-/// A client of one upstream registry.
+/// A client of one upstream registry: amber's one verified distribution client, with
+/// the importer's words for what went wrong.
 pub struct UpstreamClient {
-    client: oci_client::Client,
+    client: DistributionClient,
     spec: UpstreamSpec,
-    auth: RegistryAuth,
+}
+
+impl From<DistributionError> for UpstreamError {
+    fn from(e: DistributionError) -> UpstreamError {
+        match e {
+            DistributionError::NotFound { host, what } => UpstreamError::NotFound { host, what },
+            DistributionError::Denied { host, what, why } => {
+                UpstreamError::Denied { host, what, why }
+            }
+            DistributionError::Failed { host, what, why } => {
+                UpstreamError::Failed { host, what, why }
+            }
+            DistributionError::Corrupt { host, what, why } => {
+                UpstreamError::Corrupt { host, what, why }
+            }
+            DistributionError::Integrity {
+                host,
+                what,
+                expected,
+                actual,
+            } => UpstreamError::Integrity {
+                host,
+                what,
+                expected,
+                actual,
+            },
+            DistributionError::TooLarge { host, what, limit } => UpstreamError::Failed {
+                host,
+                what,
+                why: format!("larger than the {limit} bytes a manifest may take"),
+            },
+        }
+    }
 }
 
 impl UpstreamClient {
     pub fn new(spec: UpstreamSpec, credential: Option<&UpstreamCredential>) -> UpstreamClient {
-        let protocol = if spec.plain_http {
-            oci_client::client::ClientProtocol::Http
-        } else {
-            oci_client::client::ClientProtocol::Https
+        let credentials = match credential {
+            None => Credentials::Anonymous,
+            Some(UpstreamCredential::Basic { username, password }) => Credentials::Basic {
+                username: username.clone(),
+                password: password.clone(),
+            },
+            Some(UpstreamCredential::Bearer { token }) => Credentials::Bearer {
+                token: token.clone(),
+            },
         };
-        let client = oci_client::Client::new(oci_client::client::ClientConfig {
-            protocol,
-            connect_timeout: Some(std::time::Duration::from_secs(10)),
-            read_timeout: Some(std::time::Duration::from_secs(60)),
-            user_agent: concat!("amber-registry/", env!("CARGO_PKG_VERSION")),
-            ..Default::default()
-        });
-        let auth = match credential {
-            None => RegistryAuth::Anonymous,
-            Some(UpstreamCredential::Basic { username, password }) => {
-                RegistryAuth::Basic(username.clone(), password.clone())
-            }
-            Some(UpstreamCredential::Bearer { token }) => RegistryAuth::Bearer(token.clone()),
-        };
-        UpstreamClient { client, spec, auth }
+        let client = DistributionClient::new(
+            Endpoint {
+                host: spec.endpoint.clone(),
+                plain_http: spec.plain_http,
+            },
+            credentials,
+            std::time::Duration::from_secs(10),
+            std::time::Duration::from_secs(60),
+            concat!("amber-registry/", env!("CARGO_PKG_VERSION")),
+        );
+        UpstreamClient { client, spec }
     }
 
     pub fn host(&self) -> &str {
         &self.spec.host
     }
 
-    fn reference(&self, repo: &str, r: &Reference) -> oci_client::Reference {
-        match r {
-            Reference::Tag(t) => oci_client::Reference::with_tag(
-                self.spec.endpoint.clone(),
-                repo.to_string(),
-                t.to_string(),
-            ),
-            Reference::Digest(d) => oci_client::Reference::with_digest(
-                self.spec.endpoint.clone(),
-                repo.to_string(),
-                d.to_string(),
-            ),
+    /// Errors name the upstream as configured (`docker.io`), not its endpoint.
+    fn named(&self, e: DistributionError) -> UpstreamError {
+        let mut e = UpstreamError::from(e);
+        match &mut e {
+            UpstreamError::NotFound { host, .. }
+            | UpstreamError::Denied { host, .. }
+            | UpstreamError::Failed { host, .. }
+            | UpstreamError::Corrupt { host, .. }
+            | UpstreamError::Integrity { host, .. } => *host = self.spec.host.clone(),
         }
-    }
-
-    fn error(&self, what: String, e: OciDistributionError) -> UpstreamError {
-        let host = self.spec.host.clone();
-        let not_found = |errors: &[oci_client::errors::OciError]| {
-            errors.iter().map(|e| &e.code).any(|c| {
-                matches!(
-                    c,
-                    OciErrorCode::ManifestUnknown
-                        | OciErrorCode::NameUnknown
-                        | OciErrorCode::BlobUnknown
-                        | OciErrorCode::NotFound
-                )
-            })
-        };
-        match e {
-            OciDistributionError::RegistryError { envelope, .. } if not_found(&envelope.errors) => {
-                UpstreamError::NotFound { host, what }
-            }
-            OciDistributionError::ServerError { code: 404, .. }
-            | OciDistributionError::ImageManifestNotFoundError(_) => {
-                UpstreamError::NotFound { host, what }
-            }
-            OciDistributionError::UnauthorizedError { .. }
-            | OciDistributionError::AuthenticationFailure(_) => UpstreamError::Denied {
-                host,
-                what,
-                why: e.to_string(),
-            },
-            OciDistributionError::RegistryError { ref envelope, .. }
-                if envelope.errors.iter().any(|x| {
-                    matches!(x.code, OciErrorCode::Denied | OciErrorCode::Unauthorized)
-                }) =>
-            {
-                UpstreamError::Denied {
-                    host,
-                    what,
-                    why: e.to_string(),
-                }
-            }
-            OciDistributionError::DigestError(d) => UpstreamError::Corrupt {
-                host,
-                what,
-                why: d.to_string(),
-            },
-            other => UpstreamError::Failed {
-                host,
-                what,
-                why: other.to_string(),
-            },
-        }
+        e
     }
 
     /// The manifest `r` of `repo`: its bytes and their digest (sha256, or the algorithm
-    /// of a digest reference), checked here against a digest reference.
+    /// of a digest reference), checked against a digest reference.
     pub async fn manifest(
         &self,
         repo: &str,
         r: &Reference,
     ) -> Result<(Bytes, Digest), UpstreamError> {
-        let what = format!("manifest {repo}:{r}");
-        let (bytes, _) = self
-            .client
-            .pull_manifest_raw(&self.reference(repo, r), &self.auth, ACCEPT)
+        self.client
+            .manifest(repo, r, ANY_MANIFEST, MAX_MANIFEST_BYTES)
             .await
-            .map_err(|e| self.error(what.clone(), e))?;
-        let bytes = Bytes::from(bytes);
-        let digest = match r {
-            Reference::Digest(want) => {
-                let actual = Digest::of(want.algorithm(), &bytes);
-                if &actual != want {
-                    return Err(UpstreamError::Integrity {
-                        host: self.spec.host.clone(),
-                        what,
-                        expected: want.to_string(),
-                        actual: actual.to_string(),
-                    });
-                }
-                actual
-            }
-            Reference::Tag(_) => Digest::of(Algorithm::Sha256, &bytes),
-        };
-        Ok((bytes, digest))
+            .map_err(|e| self.named(e))
     }
 
     /// Blob `digest` of `repo` as a stream (the caller checks its digest as it stores it).
     pub async fn blob(&self, repo: &str, digest: &Digest) -> Result<ByteStream, UpstreamError> {
-        let what = format!("blob {digest} of {repo}");
-        let d = digest.to_string();
-        let stream = self
-            .client
-            .pull_blob_stream(
-                &self.reference(repo, &Reference::Digest(digest.clone())),
-                d.as_str(),
-            )
+        self.client
+            .blob_stream(repo, digest)
             .await
-            .map_err(|e| self.error(what, e))?;
-        // oci-client checks the digest as the stream ends; its error says so as
-        // InvalidData, which the importer reports as an integrity error.
-        Ok(Box::pin(stream.stream.map(|r| {
-            r.map_err(|e| {
-                match e
-                    .get_ref()
-                    .and_then(|i| i.downcast_ref::<oci_client::errors::DigestError>())
-                {
-                    Some(d) => std::io::Error::new(std::io::ErrorKind::InvalidData, d.to_string()),
-                    None => e,
-                }
-            })
-        })))
+            .map_err(|e| self.named(e))
     }
 
     /// Every tag of `repo`, in the order the upstream lists them.
     pub async fn tags(&self, repo: &str) -> Result<Vec<String>, UpstreamError> {
-        let what = format!("the tags of {repo}");
-        let latest = amber_oci::names::Tag::parse("latest").expect("a tag");
-        let r = self.reference(repo, &Reference::Tag(latest));
-        let mut out: Vec<String> = Vec::new();
-        let mut seen = std::collections::HashSet::new();
-        let mut last: Option<String> = None;
-        loop {
-            let page = self
-                .client
-                .list_tags(&r, &self.auth, Some(TAG_PAGE), last.as_deref())
-                .await
-                .map_err(|e| self.error(what.clone(), e))?;
-            let n = page.tags.len();
-            let before = out.len();
-            last = page.tags.last().cloned();
-            for t in page.tags {
-                if seen.insert(t.clone()) {
-                    out.push(t);
-                }
-            }
-            // A registry that ignores `n`/`last` sends everything at once.
-            if n < TAG_PAGE || out.len() == before {
-                return Ok(out);
-            }
-        }
+        self.client.tags(repo).await.map_err(|e| self.named(e))
     }
 }
