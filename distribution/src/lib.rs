@@ -7,8 +7,8 @@
 //!
 //! Invariants kept here, for every caller:
 //! - a manifest asked for by digest, and every blob, is checked against its digest before
-//!   the caller gets its last byte (`oci-client` checks manifests and streams; the bounded
-//!   reads here hash again so an error can name the digest the registry's bytes have); a
+//!   the caller gets its last byte (`oci-client` checks manifests and streams; a bounded
+//!   blob read hashes too, so its error can name the digest the registry's bytes have); a
 //!   mismatch is [`DistributionError::Integrity`];
 //! - what is read into memory is bounded by the caller's limit ([`TooLarge`] otherwise).
 //!   Blobs are bounded as they stream; a manifest is read whole by `oci-client` and its
@@ -220,29 +220,11 @@ impl DistributionClient {
         }
         let bytes = Bytes::from(bytes);
         let digest = match r {
-            Reference::Digest(want) => self.verified(&bytes, want, what)?,
+            // oci-client checked the bytes against it (and the registry's digest header).
+            Reference::Digest(want) => want.clone(),
             Reference::Tag(_) => Digest::of(Algorithm::Sha256, &bytes),
         };
         Ok((bytes, digest))
-    }
-
-    /// `bytes` hash to `want`: their digest, or an integrity error naming `what`.
-    fn verified(
-        &self,
-        bytes: &[u8],
-        want: &Digest,
-        what: String,
-    ) -> Result<Digest, DistributionError> {
-        let actual = Digest::of(want.algorithm(), bytes);
-        if &actual != want {
-            return Err(DistributionError::Integrity {
-                host: self.host().into(),
-                what,
-                expected: want.to_string(),
-                actual: actual.to_string(),
-            });
-        }
-        Ok(actual)
     }
 
     /// Blob `digest` of `repo` as a stream; the stream ends with an `InvalidData` error
@@ -293,15 +275,9 @@ impl DistributionClient {
         while let Some(piece) = stream.next().await {
             let piece = match piece {
                 Ok(p) => p,
-                // The verifying stream's verdict, with the digest the bytes have.
-                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-                    return Err(DistributionError::Integrity {
-                        host: self.host().into(),
-                        what,
-                        expected: digest.to_string(),
-                        actual: hasher.finish().to_string(),
-                    })
-                }
+                // The verifying stream's verdict: reported below, with the digest the
+                // bytes have.
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => break,
                 Err(e) => {
                     return Err(DistributionError::Failed {
                         host: self.host().into(),
@@ -320,9 +296,17 @@ impl DistributionClient {
             hasher.update(&piece);
             body.extend_from_slice(&piece);
         }
-        let body = body.freeze();
-        self.verified(&body, digest, what)?;
-        Ok(body)
+        // oci-client's stream checks it too; this hash is the one an error names.
+        let actual = hasher.finish();
+        if &actual != digest {
+            return Err(DistributionError::Integrity {
+                host: self.host().into(),
+                what,
+                expected: digest.to_string(),
+                actual: actual.to_string(),
+            });
+        }
+        Ok(body.freeze())
     }
 
     /// Every tag of `repo`, in the order the registry lists them.

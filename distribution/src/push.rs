@@ -10,7 +10,7 @@ use bytes::Bytes;
 use oci_client::RegistryOperation;
 
 use crate::error::chain;
-use crate::{BlobStream, Credentials, DistributionClient, DistributionError};
+use crate::{Credentials, DistributionClient, DistributionError};
 
 /// The most of a refusal's body quoted in an error.
 const MAX_QUOTED_BODY: usize = 4 << 10;
@@ -207,17 +207,6 @@ impl<'a> Pusher<'a> {
         self.send(&what, self.request(reqwest::Method::PUT, &put), &[201])
             .await?;
         Ok(())
-    }
-
-    /// Uploads a blob streamed from `stream`.
-    pub async fn upload_stream(
-        &self,
-        d: &Digest,
-        size: Option<u64>,
-        stream: BlobStream,
-    ) -> Result<(), DistributionError> {
-        self.upload(d, size, reqwest::Body::wrap_stream(stream))
-            .await
     }
 
     /// Pushes `bytes` as a blob unless the repository has it; their sha256 digest.

@@ -197,12 +197,6 @@ pub(crate) async fn get(
         })
 }
 
-/// The `host[:port]` of a registry URL.
-fn url_host(url: &str) -> &str {
-    let rest = url.split_once("://").map(|(_, r)| r).unwrap_or(url);
-    rest.split('/').next().unwrap_or(rest)
-}
-
 /// Resolves `reference`; waits up to `wait` for the registry to finish converting the
 /// image. Verifies the image manifest and config against their digests.
 pub async fn resolve(
@@ -225,14 +219,13 @@ pub async fn resolve(
     // An image of another registry is asked for under its mirror name
     // (`docker.io/library/python`): imported there, or pulled through on this request.
     let repo = match &name.registry {
-        Some(host) if host != url_host(registry.base()) => {
-            name.mirror_repository()
-                .ok_or_else(|| ImageError::OtherRegistry {
-                    reference: reference.into(),
-                    named: host.clone(),
-                    configured: registry.base().into(),
-                })?
-        }
+        Some(host) if host != registry.distribution().host() => name
+            .mirror_repository()
+            .ok_or_else(|| ImageError::OtherRegistry {
+                reference: reference.into(),
+                named: host.clone(),
+                configured: registry.base().into(),
+            })?,
         _ => name.repository.clone(),
     };
     let repo = &repo;
@@ -314,7 +307,7 @@ fn registry_error(registry: &RegistryClient, object: String, e: DistributionErro
             actual,
         },
         e => ImageError::Registry {
-            hint: registry.denied_hint(&e),
+            hint: registry.denied_hint(&e, "pull"),
             source: e,
         },
     }
@@ -362,15 +355,4 @@ pub async fn fetch_image(
         manifest_bytes: manifest.to_vec(),
         config_bytes: config_bytes.to_vec(),
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn registry_hosts() {
-        assert_eq!(url_host("http://127.0.0.1:5000"), "127.0.0.1:5000");
-        assert_eq!(url_host("https://r.example/x"), "r.example");
-    }
 }

@@ -216,10 +216,10 @@ pub fn target(
         )),
         ImageRef::Image(n) => {
             if let Some(host) = &n.registry {
-                let base = registry.base();
-                if !base.ends_with(&format!("://{host}")) {
+                if host != registry.distribution().host() {
                     return Err(bad(format!(
-                        "names registry {host}, but this node uses {base}"
+                        "names registry {host}, but this node uses {}",
+                        registry.base()
                     )));
                 }
             }
@@ -346,7 +346,7 @@ pub async fn commit(
     let image_digest = Digest::of(Algorithm::Sha256, &manifest_bytes);
 
     let registry_error = |source: DistributionError| SnapshotError::Registry {
-        hint: registry.denied_hint(&source).replace("use", "push to"),
+        hint: registry.denied_hint(&source, "push to"),
         source,
     };
     let repo = registry

@@ -111,12 +111,13 @@ impl RegistryClient {
         &self.distribution
     }
 
-    /// What to do about `e`, for error messages: [`Self::access_hint`] of a refusal.
-    pub fn denied_hint(&self, e: &DistributionError) -> String {
+    /// What to do about `e`, for error messages, when the registry refused to let the
+    /// account `action` (`pull`, `push to`) a repository.
+    pub fn denied_hint(&self, e: &DistributionError, action: &str) -> String {
         if e.is_denied() {
             // 401 and 403 read alike from here: the hint names both causes.
             if self.has_credentials {
-                format!(" (check that the account in {CREDENTIALS_ENV} exists and may use this repository)")
+                format!(" (check that the account in {CREDENTIALS_ENV} exists and may {action} this repository)")
             } else {
                 self.access_hint(reqwest::StatusCode::UNAUTHORIZED)
             }
