@@ -15,6 +15,8 @@
 
 use std::io;
 
+use serde::{Deserialize, Serialize};
+
 use crate::manifest::{ChunkId, Extent};
 
 pub const MAX_CHUNK: u64 = 1 << 20;
@@ -51,12 +53,68 @@ impl RawSink for std::fs::File {
     }
 }
 
+/// Where a file's bytes are in the chunk store, as a conversion laid them out. Kept in a
+/// `chain::ChainState` so a later conversion can use the file without its layer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataLocation {
+    /// A file of at least `LARGE_FILE` bytes: one entry per `MAX_CHUNK` piece of its
+    /// block-padded data, `None` for a piece that is all zeros (a hole).
+    Large { pieces: Vec<Option<ChunkId>> },
+    /// A smaller file: at `offset` in the pack chunk `chunk`, which is `chunk_len` bytes
+    /// long (`None`: the pack was all zeros, a hole).
+    Packed {
+        chunk: Option<ChunkId>,
+        offset: u32,
+        chunk_len: u32,
+    },
+}
+
+/// Reads chunks back from the store, for files whose bytes a conversion did not read
+/// from a layer (`DataLocation`). What it returns is checked against the id here.
+pub trait ChunkSource {
+    /// The uncompressed bytes of chunk `id`.
+    fn chunk(&mut self, id: &ChunkId) -> io::Result<Vec<u8>>;
+}
+
+/// The bytes of one regular file handed to `Chunker::file`.
+pub enum FileData<'r> {
+    /// Read from a stream (a layer's bytes in the scratch file).
+    Read(&'r mut dyn io::Read),
+    /// Already in the chunk store.
+    Stored(&'r DataLocation),
+}
+
+/// A small file waiting in the current pack.
+struct Member {
+    /// Index of the `Chunker::file` call (its entry in `locations`).
+    call: usize,
+    /// Offset in the pack and length of the file's bytes.
+    at: usize,
+    len: usize,
+    /// Where the bytes are if they were not read (the pack holds zeros there until the
+    /// pack is cut, and then only if the pack is not a chunk the store has already).
+    stored: Option<DataLocation>,
+}
+
+/// What a chunker produced.
+pub struct Chunked {
+    pub extents: Vec<Extent>,
+    pub chunks: u64,
+    /// Where each `file` call's bytes ended up, in call order.
+    pub locations: Vec<DataLocation>,
+}
+
 pub struct Chunker<'a> {
     sink: &'a mut dyn ChunkSink,
     raw: Option<&'a mut dyn RawSink>,
+    source: Option<&'a mut dyn ChunkSource>,
     extents: Vec<Extent>,
     pack: Vec<u8>,
     pack_start: u64,
+    members: Vec<Member>,
+    locations: Vec<DataLocation>,
+    /// The last chunk read back from `source` (neighbouring files share packs).
+    fetched: Option<(ChunkId, Vec<u8>)>,
     pub chunks: u64,
 }
 
@@ -67,34 +125,72 @@ fn is_zero(b: &[u8]) -> bool {
     pre.iter().all(|&x| x == 0) && mid.iter().all(|&x| x == 0) && post.iter().all(|&x| x == 0)
 }
 
+fn bad_location(what: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what)
+}
+
 impl<'a> Chunker<'a> {
     pub fn new(sink: &'a mut dyn ChunkSink, raw: Option<&'a mut dyn RawSink>) -> Chunker<'a> {
         Chunker {
             sink,
             raw,
+            source: None,
             extents: Vec::new(),
             pack: Vec::new(),
             pack_start: 0,
+            members: Vec::new(),
+            locations: Vec::new(),
+            fetched: None,
             chunks: 0,
         }
     }
 
-    fn emit(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
+    /// A chunker that can take `FileData::Stored` files, reading them from `source` when
+    /// their bytes are needed.
+    pub fn with_source(mut self, source: &'a mut dyn ChunkSource) -> Chunker<'a> {
+        self.source = Some(source);
+        self
+    }
+
+    /// Stores `data` as the chunk at `offset`; `None` for a hole.
+    fn emit(&mut self, offset: u64, data: &[u8]) -> io::Result<Option<ChunkId>> {
         if data.is_empty() || is_zero(data) {
-            return Ok(());
+            return Ok(None);
         }
         if let Some(raw) = self.raw.as_mut() {
             raw.write_at(offset, data)?;
         }
         let id = ChunkId::of(data);
         self.sink.put(id, data)?;
+        self.known(offset, data.len() as u64, id);
+        Ok(Some(id))
+    }
+
+    /// Records a chunk the store already has.
+    fn known(&mut self, offset: u64, length: u64, chunk: ChunkId) {
         self.chunks += 1;
         self.extents.push(Extent {
             offset,
-            length: data.len() as u64,
-            chunk: id,
+            length,
+            chunk,
         });
-        Ok(())
+    }
+
+    /// The bytes of a stored chunk, verified against its id.
+    fn fetch(&mut self, id: &ChunkId) -> io::Result<&[u8]> {
+        if self.fetched.as_ref().is_none_or(|(have, _)| have != id) {
+            let source = self.source.as_mut().ok_or_else(|| {
+                io::Error::other("a stored file's bytes are needed but no chunk source was given")
+            })?;
+            let bytes = source.chunk(id)?;
+            if ChunkId::of(&bytes) != *id {
+                return Err(bad_location(format!(
+                    "chunk {id} read back from the store does not match its id"
+                )));
+            }
+            self.fetched = Some((*id, bytes));
+        }
+        Ok(&self.fetched.as_ref().expect("just fetched").1)
     }
 
     /// Metadata at device offset `offset` (block aligned), cut every MAX_CHUNK.
@@ -106,37 +202,153 @@ impl<'a> Chunker<'a> {
     }
 
     fn flush_pack(&mut self) -> io::Result<()> {
-        let pack = std::mem::take(&mut self.pack);
-        self.emit(self.pack_start, &pack)?;
+        if self.members.is_empty() {
+            return Ok(());
+        }
+        let members = std::mem::take(&mut self.members);
+        let mut pack = std::mem::take(&mut self.pack);
+        let len = pack.len();
+        // A pack made only of stored files that sat at the same offsets of one chunk of
+        // the same length is that chunk: its bytes are not needed.
+        let first = match &members[0].stored {
+            Some(DataLocation::Packed { chunk, .. }) => Some(*chunk),
+            _ => None,
+        };
+        let whole = first.filter(|c| {
+            self.raw.is_none()
+                && members.iter().all(|m| {
+                    matches!(&m.stored, Some(DataLocation::Packed { chunk, offset, chunk_len })
+                        if chunk == c && *offset as usize == m.at && *chunk_len as usize == len)
+                })
+        });
+        let chunk = match whole {
+            Some(chunk) => {
+                if let Some(id) = chunk {
+                    self.known(self.pack_start, len as u64, id);
+                }
+                chunk
+            }
+            None => {
+                for m in &members {
+                    match &m.stored {
+                        None | Some(DataLocation::Packed { chunk: None, .. }) => {}
+                        Some(DataLocation::Packed {
+                            chunk: Some(id),
+                            offset,
+                            ..
+                        }) => {
+                            let from = *offset as usize;
+                            let bytes = self.fetch(id)?;
+                            let src = bytes.get(from..from + m.len).ok_or_else(|| {
+                                bad_location(format!(
+                                    "stored file at {from}+{} lies outside chunk {id}",
+                                    m.len
+                                ))
+                            })?;
+                            pack[m.at..m.at + m.len].copy_from_slice(src);
+                        }
+                        Some(DataLocation::Large { .. }) => {
+                            return Err(bad_location(
+                                "a small file's stored bytes are in large-file pieces".into(),
+                            ))
+                        }
+                    }
+                }
+                self.emit(self.pack_start, &pack)?
+            }
+        };
+        for m in &members {
+            self.locations[m.call] = DataLocation::Packed {
+                chunk,
+                offset: m.at as u32,
+                chunk_len: len as u32,
+            };
+        }
+        pack.clear();
         self.pack = pack;
-        self.pack.clear();
         Ok(())
     }
 
-    /// One regular file placed at `offset` (block aligned); `data` yields its `len` bytes
-    /// (zero-padded here to the block end). `hash` is blake3 of the content (only read for
-    /// files below `LARGE_FILE`).
+    /// One regular file placed at `offset` (block aligned), `len` bytes (zero-padded here
+    /// to the block end). `hash` is blake3 of the content (only read for files below
+    /// `LARGE_FILE`).
     pub fn file(
         &mut self,
         offset: u64,
         len: u64,
         hash: &[u8; 32],
-        data: &mut dyn io::Read,
+        data: FileData<'_>,
         block: u64,
     ) -> io::Result<()> {
+        let call = self.locations.len();
+        // Replaced once the file's chunks are known.
+        self.locations
+            .push(DataLocation::Large { pieces: Vec::new() });
         let padded = len.div_ceil(block) * block;
         if len >= LARGE_FILE {
             self.flush_pack()?;
-            let mut buf = vec![0u8; MAX_CHUNK as usize];
-            let mut done = 0u64;
-            while done < padded {
-                let n = (padded - done).min(MAX_CHUNK) as usize;
-                let real = (len - done).min(n as u64) as usize;
-                data.read_exact(&mut buf[..real])?;
-                buf[real..n].fill(0);
-                self.emit(offset + done, &buf[..n])?;
-                done += n as u64;
-            }
+            let count = padded.div_ceil(MAX_CHUNK) as usize;
+            let piece_len = |i: usize| (padded - i as u64 * MAX_CHUNK).min(MAX_CHUNK);
+            let pieces = match data {
+                FileData::Stored(DataLocation::Large { pieces }) if self.raw.is_none() => {
+                    if pieces.len() != count {
+                        return Err(bad_location(format!(
+                            "a stored file of {len} bytes has {} pieces, not {count}",
+                            pieces.len()
+                        )));
+                    }
+                    for (i, p) in pieces.iter().enumerate() {
+                        if let Some(id) = p {
+                            self.known(offset + i as u64 * MAX_CHUNK, piece_len(i), *id);
+                        }
+                    }
+                    pieces.clone()
+                }
+                FileData::Stored(DataLocation::Large { pieces }) => {
+                    // With a raw sink every byte is written: read the pieces back.
+                    if pieces.len() != count {
+                        return Err(bad_location(format!(
+                            "a stored file of {len} bytes has {} pieces, not {count}",
+                            pieces.len()
+                        )));
+                    }
+                    let mut out = Vec::with_capacity(count);
+                    for (i, p) in pieces.iter().enumerate() {
+                        let n = piece_len(i) as usize;
+                        let bytes = match p {
+                            Some(id) => self.fetch(id)?.to_vec(),
+                            None => vec![0; n],
+                        };
+                        if bytes.len() != n {
+                            return Err(bad_location(format!(
+                                "piece {i} of a stored file is {} bytes, not {n}",
+                                bytes.len()
+                            )));
+                        }
+                        out.push(self.emit(offset + i as u64 * MAX_CHUNK, &bytes)?);
+                    }
+                    out
+                }
+                FileData::Stored(DataLocation::Packed { .. }) => {
+                    return Err(bad_location(
+                        "a large file's stored bytes are in a pack".into(),
+                    ))
+                }
+                FileData::Read(data) => {
+                    let mut buf = vec![0u8; MAX_CHUNK as usize];
+                    let mut out = Vec::with_capacity(count);
+                    for i in 0..count {
+                        let n = piece_len(i) as usize;
+                        let done = i as u64 * MAX_CHUNK;
+                        let real = (len - done).min(n as u64) as usize;
+                        data.read_exact(&mut buf[..real])?;
+                        buf[real..n].fill(0);
+                        out.push(self.emit(offset + done, &buf[..n])?);
+                    }
+                    out
+                }
+            };
+            self.locations[call] = DataLocation::Large { pieces };
             return Ok(());
         }
         if !self.pack.is_empty() && self.pack.len() as u64 + padded > MAX_CHUNK {
@@ -146,9 +358,21 @@ impl<'a> Chunker<'a> {
             self.pack_start = offset;
         }
         debug_assert_eq!(self.pack_start + self.pack.len() as u64, offset);
-        let start = self.pack.len();
-        self.pack.resize(start + padded as usize, 0);
-        data.read_exact(&mut self.pack[start..start + len as usize])?;
+        let at = self.pack.len();
+        self.pack.resize(at + padded as usize, 0);
+        let stored = match data {
+            FileData::Read(data) => {
+                data.read_exact(&mut self.pack[at..at + len as usize])?;
+                None
+            }
+            FileData::Stored(loc) => Some(loc.clone()),
+        };
+        self.members.push(Member {
+            call,
+            at,
+            len: len as usize,
+            stored,
+        });
         let h = u64::from_le_bytes(hash[..8].try_into().expect("8 bytes"));
         if h.trailing_zeros() >= PACK_BITS {
             self.flush_pack()?;
@@ -156,10 +380,15 @@ impl<'a> Chunker<'a> {
         Ok(())
     }
 
-    /// Flushes the last pack; returns the extents and the number of chunks emitted.
-    pub fn finish(mut self) -> io::Result<(Vec<Extent>, u64)> {
+    /// Flushes the last pack; returns the extents, the number of chunks and where each
+    /// file went.
+    pub fn finish(mut self) -> io::Result<Chunked> {
         self.flush_pack()?;
-        Ok((self.extents, self.chunks))
+        Ok(Chunked {
+            extents: self.extents,
+            chunks: self.chunks,
+            locations: self.locations,
+        })
     }
 }
 
@@ -321,7 +550,7 @@ mod tests {
             8192,
             big.len() as u64,
             &file_hash(false),
-            &mut &big[..],
+            FileData::Read(&mut &big[..]),
             4096,
         )
         .unwrap();
@@ -331,11 +560,11 @@ mod tests {
             at,
             zeros.len() as u64,
             &file_hash(false),
-            &mut &zeros[..],
+            FileData::Read(&mut &zeros[..]),
             4096,
         )
         .unwrap();
-        let (ext, _) = c.finish().unwrap();
+        let ext = c.finish().unwrap().extents;
         let shape: Vec<(u64, u64)> = ext.iter().map(|e| (e.offset, e.length)).collect();
         assert_eq!(
             shape,
@@ -350,11 +579,17 @@ mod tests {
         let mut off = 0;
         for (i, cut) in [false, false, true, false, true].iter().enumerate() {
             let data = [i as u8 + 1; 100];
-            c.file(off, 100, &file_hash(*cut), &mut &data[..], 4096)
-                .unwrap();
+            c.file(
+                off,
+                100,
+                &file_hash(*cut),
+                FileData::Read(&mut &data[..]),
+                4096,
+            )
+            .unwrap();
             off += 4096;
         }
-        let (ext, _) = c.finish().unwrap();
+        let ext = c.finish().unwrap().extents;
         let shape: Vec<(u64, u64)> = ext.iter().map(|e| (e.offset, e.length)).collect();
         assert_eq!(shape, vec![(0, 3 * 4096), (3 * 4096, 2 * 4096)]);
     }

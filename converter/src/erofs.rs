@@ -64,6 +64,7 @@ pub enum ErofsError {
 /// Where one regular file's data sits on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FilePlacement {
+    pub inode: InodeId,
     pub block: u64,
     pub data: DataRef,
 }
@@ -226,6 +227,7 @@ pub fn build(tree: &Tree, uuid: [u8; 16]) -> Result<Image, ErofsError> {
             if data.len > 0 {
                 file_block[id] = next_block;
                 files.push(FilePlacement {
+                    inode: id,
                     block: next_block,
                     data: *data,
                 });

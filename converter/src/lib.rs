@@ -6,8 +6,11 @@
 //!
 //! Modules: `layer` (decompression, diff_ids), `tree` (layers -> merged tree),
 //! `erofs` (tree -> EROFS layout), `chunk` (device -> chunks), `manifest` (ids, the
-//! block manifest, the env digest), `oci` (reading OCI layouts and docker archives).
+//! block manifest, the env digest), `chain` (a layer chain's state, kept so a later
+//! image with the same lower layers reads only its own), `oci` (reading OCI layouts and
+//! docker archives).
 
+pub mod chain;
 pub mod chunk;
 pub mod erofs;
 pub mod layer;
@@ -15,10 +18,13 @@ pub mod manifest;
 pub mod oci;
 pub mod tree;
 
+use std::collections::HashMap;
 use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
 
-use chunk::{ChunkSink, Chunker, RawSink};
+use chain::ChainState;
+use chunk::{ChunkSink, ChunkSource, Chunker, DataLocation, FileData, RawSink};
 use manifest::{BlockManifest, FORMAT_VERSION};
+use tree::DataSource;
 
 /// One layer to apply, in order.
 pub struct LayerInput<'a> {
@@ -61,6 +67,8 @@ pub struct Converted {
     pub layer_bytes: u64,
     pub inodes: u64,
     pub chunks: u64,
+    /// The states `Reuse::keep` asked for, in chain order.
+    pub chains: Vec<ChainState>,
 }
 
 /// Converts `layers` (applied in order) into a block device.
@@ -91,29 +99,89 @@ pub fn convert_with_limits<'a, 's, S: Read + Write + Seek>(
     progress: &mut dyn FnMut(&str),
     limits: tree::Limits,
 ) -> Result<Converted, ConvertError> {
-    let mut t = tree::Tree::new();
-    t.limits = limits;
-    let mut diff_ids = Vec::new();
-    let mut layer_bytes = 0;
+    convert_reusing(
+        layers,
+        scratch,
+        sink,
+        raw,
+        progress,
+        limits,
+        Reuse::default(),
+    )
+}
+
+/// Work a conversion reuses and keeps for others (`chain`).
+#[derive(Default)]
+pub struct Reuse<'s> {
+    /// The state of the image's first `start.layers` layers: those layers are not
+    /// passed to `convert_reusing`, only the ones above them.
+    pub start: Option<ChainState>,
+    /// Chain lengths (above `start`'s, at most the image's layer count) whose states to
+    /// return in `Converted::chains`.
+    pub keep: Vec<u32>,
+    /// Reads back the bytes of files from `start` when a pack mixes them with new files
+    /// (required with `start`).
+    pub source: Option<&'s mut dyn ChunkSource>,
+}
+
+/// `convert_with_limits` from a reused chain state, keeping the states `reuse.keep`
+/// asks for. The env digest is the same as a conversion of every layer gives.
+pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
+    layers: impl IntoIterator<Item = LayerInput<'a>>,
+    scratch: &mut S,
+    sink: &'s mut dyn ChunkSink,
+    raw: Option<&'s mut dyn RawSink>,
+    progress: &mut dyn FnMut(&str),
+    limits: tree::Limits,
+    reuse: Reuse<'s>,
+) -> Result<Converted, ConvertError> {
+    let Reuse {
+        start,
+        keep,
+        mut source,
+    } = reuse;
+    let (mut t, stored, mut diff_ids, mut layer_bytes, first) = match start {
+        Some(s) => (
+            tree::Tree {
+                inodes: s.inodes,
+                limits,
+            },
+            s.data,
+            s.diff_ids,
+            s.layer_bytes,
+            s.layers,
+        ),
+        None => {
+            let mut t = tree::Tree::new();
+            t.limits = limits;
+            (t, Vec::new(), Vec::new(), 0, 0)
+        }
+    };
+    // (chain length, tree, diff ids, layer bytes) at each layer boundary to keep.
+    let mut kept = Vec::new();
     let mut scratch_len = scratch
         .seek(SeekFrom::End(0))
         .map_err(io_err("scratch file"))?;
     {
         let mut w = BufWriter::with_capacity(1 << 20, &mut *scratch);
         for (i, l) in layers.into_iter().enumerate() {
-            progress(&format!("layer {}: {}", i + 1, l.name));
+            let index = first + i as u32;
+            progress(&format!("layer {}: {}", index + 1, l.name));
             let mut r =
                 layer::LayerReader::new(l.reader).map_err(|source| ConvertError::Layer {
                     layer: l.name.clone(),
                     source,
                 })?;
-            t.apply_layer(i as u32, &l.name, &mut r, &mut w, &mut scratch_len)?;
+            t.apply_layer(index, &l.name, &mut r, &mut w, &mut scratch_len)?;
             let (diff_id, n) = r.finish().map_err(|source| ConvertError::Layer {
                 layer: l.name.clone(),
                 source,
             })?;
             diff_ids.push(diff_id);
             layer_bytes += n;
+            if keep.contains(&(index + 1)) {
+                kept.push((index + 1, t.inodes.clone(), diff_ids.clone(), layer_bytes));
+            }
         }
         w.flush().map_err(io_err("scratch file"))?;
     }
@@ -123,39 +191,176 @@ pub fn convert_with_limits<'a, 's, S: Read + Write + Seek>(
     let image = erofs::build(&t, uuid)?;
     drop(t);
     progress("chunking");
-    let mut chunker = Chunker::new(sink, raw);
+    let mut raw = raw;
+    let mut chunker = Chunker::new(
+        &mut *sink,
+        raw.as_deref_mut().map(|r| r as &mut dyn RawSink),
+    );
+    if let Some(src) = source.as_deref_mut() {
+        chunker = chunker.with_source(src as &mut dyn ChunkSource);
+    }
     chunker
         .metadata(0, &image.meta)
         .map_err(io_err("storing metadata chunks"))?;
     for f in &image.files {
-        scratch
-            .seek(SeekFrom::Start(f.data.offset))
-            .map_err(io_err("scratch file"))?;
-        let mut data = (&mut *scratch).take(f.data.len);
-        chunker
-            .file(
-                f.block * erofs::BLOCK_SIZE,
-                f.data.len,
-                &f.data.hash,
-                &mut data,
+        let data = &f.data;
+        let at = f.block * erofs::BLOCK_SIZE;
+        match data.source {
+            DataSource::Scratch { offset } => {
+                scratch
+                    .seek(SeekFrom::Start(offset))
+                    .map_err(io_err("scratch file"))?;
+                let mut r = (&mut *scratch).take(data.len);
+                chunker.file(
+                    at,
+                    data.len,
+                    &data.hash,
+                    FileData::Read(&mut r),
+                    erofs::BLOCK_SIZE,
+                )
+            }
+            DataSource::Stored(i) => chunker.file(
+                at,
+                data.len,
+                &data.hash,
+                FileData::Stored(stored_location(&stored, i)?),
                 erofs::BLOCK_SIZE,
-            )
-            .map_err(io_err("storing file chunks"))?;
+            ),
+        }
+        .map_err(io_err("storing file chunks"))?;
     }
-    let (extents, chunks) = chunker.finish().map_err(io_err("storing file chunks"))?;
+    let chunked = chunker.finish().map_err(io_err("storing file chunks"))?;
     let manifest = BlockManifest {
         version: FORMAT_VERSION,
         device_size: image.device_size,
         block_size: erofs::BLOCK_SIZE as u32,
         filesystem: "erofs".into(),
-        extents,
+        extents: chunked.extents,
     };
     debug_assert!(manifest.validate().is_ok());
+    let placed: HashMap<tree::InodeId, DataLocation> = image
+        .files
+        .iter()
+        .map(|f| f.inode)
+        .zip(chunked.locations)
+        .collect();
+    let mut chains = Vec::with_capacity(kept.len());
+    for (layers, inodes, diff_ids, layer_bytes) in kept {
+        progress(&format!("keeping the state of layers 1-{layers}"));
+        chains.push(chain_state(
+            layers,
+            inodes,
+            diff_ids,
+            layer_bytes,
+            &stored,
+            &placed,
+            scratch,
+            &mut *sink,
+            source.as_deref_mut().map(|s| s as &mut dyn ChunkSource),
+        )?);
+    }
     Ok(Converted {
         manifest,
         diff_ids,
         layer_bytes,
         inodes: image.inodes,
-        chunks,
+        chunks: chunked.chunks,
+        chains,
+    })
+}
+
+fn stored_location(stored: &[DataLocation], i: u32) -> Result<&DataLocation, ConvertError> {
+    stored.get(i as usize).ok_or_else(|| ConvertError::Io {
+        what: "reused layer chain state",
+        source: io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("file data {i} is not in the state's table"),
+        ),
+    })
+}
+
+/// The `ChainState` of a tree kept at a layer boundary: every file it can reach gets
+/// its location, from the final layout, from the reused state, or (for a file a later
+/// layer hid) by chunking it now, apart from the device.
+#[allow(clippy::too_many_arguments)]
+fn chain_state<S: Read + Seek>(
+    layers: u32,
+    mut inodes: Vec<tree::Inode>,
+    diff_ids: Vec<String>,
+    layer_bytes: u64,
+    stored: &[DataLocation],
+    placed: &HashMap<tree::InodeId, DataLocation>,
+    scratch: &mut S,
+    sink: &mut dyn ChunkSink,
+    source: Option<&mut dyn ChunkSource>,
+) -> Result<ChainState, ConvertError> {
+    let walk = tree::Tree {
+        inodes: std::mem::take(&mut inodes),
+        limits: tree::Limits::default(),
+    };
+    let order = walk.walk().order;
+    inodes = walk.inodes;
+    let mut reachable = vec![false; inodes.len()];
+    for &id in &order {
+        reachable[id] = true;
+    }
+    let mut data = Vec::new();
+    // Hidden files: chunked by a chunker of their own, at made-up offsets (only their
+    // chunks and locations matter).
+    let mut hidden = Chunker::new(sink, None);
+    if let Some(src) = source {
+        hidden = hidden.with_source(src);
+    }
+    let mut hidden_at = 0u64;
+    let mut hidden_slots = Vec::new();
+    for (id, inode) in inodes.iter_mut().enumerate() {
+        let tree::Kind::File { data: d } = &mut inode.kind else {
+            continue;
+        };
+        if !reachable[id] {
+            d.source = DataSource::Stored(u32::MAX);
+            continue;
+        }
+        let loc = match d.source {
+            DataSource::Stored(i) => stored_location(stored, i)?.clone(),
+            DataSource::Scratch { .. } if d.len == 0 => DataLocation::Large { pieces: vec![] },
+            DataSource::Scratch { offset } => match placed.get(&id) {
+                Some(loc) => loc.clone(),
+                None => {
+                    scratch
+                        .seek(SeekFrom::Start(offset))
+                        .map_err(io_err("scratch file"))?;
+                    let mut r = (&mut *scratch).take(d.len);
+                    hidden
+                        .file(
+                            hidden_at,
+                            d.len,
+                            &d.hash,
+                            FileData::Read(&mut r),
+                            erofs::BLOCK_SIZE,
+                        )
+                        .map_err(io_err("storing chunks of hidden files"))?;
+                    hidden_at += d.len.div_ceil(erofs::BLOCK_SIZE) * erofs::BLOCK_SIZE;
+                    hidden_slots.push(data.len());
+                    DataLocation::Large { pieces: vec![] } // replaced below
+                }
+            },
+        };
+        d.source = DataSource::Stored(data.len() as u32);
+        data.push(loc);
+    }
+    let hidden = hidden
+        .finish()
+        .map_err(io_err("storing chunks of hidden files"))?;
+    for (slot, loc) in hidden_slots.into_iter().zip(hidden.locations) {
+        data[slot] = loc;
+    }
+    Ok(ChainState {
+        format: chain::CHAIN_FORMAT,
+        layers,
+        diff_ids,
+        layer_bytes,
+        inodes,
+        data,
     })
 }

@@ -18,6 +18,8 @@
 use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 
+use serde::{Deserialize, Serialize};
+
 /// Index of an inode in `Tree::inodes`.
 pub type InodeId = usize;
 
@@ -25,17 +27,27 @@ pub const ROOT: InodeId = 0;
 pub const MAX_NAME: usize = 255;
 pub const MAX_PATH: usize = 4096;
 
-/// Where a regular file's bytes sit in the scratch file, and what they are.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Where a regular file's bytes are while a conversion runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataSource {
+    /// At this offset of the conversion's scratch file (a layer read in this run).
+    Scratch { offset: u64 },
+    /// Already in the chunk store: entry `n` of a reused `chain::ChainState`'s table
+    /// (a layer whose work an earlier conversion did).
+    Stored(u32),
+}
+
+/// A regular file's bytes: where they are, and what they are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DataRef {
-    pub offset: u64,
+    pub source: DataSource,
     pub len: u64,
     /// blake3 of the contents for files below `chunk::LARGE_FILE` (their pack cuts
     /// depend on it); zeros for large files, whose chunks are named when they are cut.
     pub hash: [u8; 32],
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Kind {
     Dir { children: BTreeMap<Vec<u8>, Entry> },
     File { data: DataRef },
@@ -46,13 +58,13 @@ pub enum Kind {
 }
 
 /// A directory entry: the inode it names and the layer that last wrote it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Entry {
     pub inode: InodeId,
     pub layer: u32,
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Meta {
     /// Permission bits with setuid, setgid and sticky (the low 12 bits of st_mode).
     pub mode: u32,
@@ -64,7 +76,7 @@ pub struct Meta {
     pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Inode {
     pub kind: Kind,
     pub meta: Meta,
@@ -634,7 +646,7 @@ fn spill<R: Read>(
     }
     *scratch_len += got;
     Ok(DataRef {
-        offset,
+        source: DataSource::Scratch { offset },
         len: got,
         hash: hasher.map_or([0; 32], |h| *h.finalize().as_bytes()),
     })

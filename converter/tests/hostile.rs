@@ -3,7 +3,7 @@
 
 mod common;
 
-use amber_converter::tree::{Kind, Tree, TreeError};
+use amber_converter::tree::{DataSource, Kind, Tree, TreeError};
 use common::*;
 
 fn p(path: &str) -> Vec<Vec<u8>> {
@@ -36,7 +36,10 @@ fn content(t: &Tree, scratch: &[u8], path: &str) -> Vec<u8> {
         .unwrap_or_else(|| panic!("{path} missing"));
     match &t.inodes[id].kind {
         Kind::File { data } => {
-            scratch[data.offset as usize..(data.offset + data.len) as usize].to_vec()
+            let DataSource::Scratch { offset } = data.source else {
+                panic!("{path}: data not in the scratch file")
+            };
+            scratch[offset as usize..(offset + data.len) as usize].to_vec()
         }
         other => panic!("{path} is {other:?}"),
     }
