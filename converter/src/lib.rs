@@ -191,11 +191,7 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
     let image = erofs::build(&t, uuid)?;
     drop(t);
     progress("chunking");
-    let mut raw = raw;
-    let mut chunker = Chunker::new(
-        &mut *sink,
-        raw.as_deref_mut().map(|r| r as &mut dyn RawSink),
-    );
+    let mut chunker = Chunker::new(&mut *sink, raw.map(|r| r as &mut dyn RawSink));
     if let Some(src) = source.as_deref_mut() {
         chunker = chunker.with_source(src as &mut dyn ChunkSource);
     }

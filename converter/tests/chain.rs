@@ -120,7 +120,7 @@ fn convert_from(
         reader: Box::new(&l[..]),
     });
     let mut scratch = tempfile::tempfile().unwrap();
-    let out = convert_reusing(
+    convert_reusing(
         inputs,
         &mut scratch,
         store,
@@ -133,8 +133,7 @@ fn convert_from(
             source: Some(&mut source),
         },
     )
-    .unwrap();
-    out
+    .unwrap()
 }
 
 /// Through an encode/decode round trip, as a registry stores it.

@@ -7,15 +7,18 @@
 //! - the mapping image digest -> env digest is written once; an image that has one is
 //!   never converted again, whatever the converter version;
 //! - a chunk already in the store is not written again;
+//! - a layer-chain state (`chains/…`) is stored only after every chunk it names, and is
+//!   only ever an optimisation: one that cannot be read or used means a full conversion;
 //! - the block manifest envelope is stored under its env digest and published as an OCI
 //!   referrer of the image manifest (artifactType `application/vnd.amber.block-manifest.v1+json`).
 
 use std::io::{self, Read};
 use std::sync::Arc;
 
-use amber_converter::chunk::ParallelSink;
-use amber_converter::manifest::{ChunkId, ManifestEnvelope, Provenance};
-use amber_converter::LayerInput;
+use amber_converter::chain::{chain_keys, ChainKey, ChainState};
+use amber_converter::chunk::{ChunkSource, ParallelSink};
+use amber_converter::manifest::{ChunkId, EnvDigest, ManifestEnvelope, Provenance};
+use amber_converter::{LayerInput, Reuse};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use tokio::runtime::Handle;
@@ -74,6 +77,10 @@ pub const CHUNKS_WRITTEN: &str = "amber_chunks_written_total";
 pub const CHUNKS_EXISTING: &str = "amber_chunks_existing_total";
 /// Compressed bytes of the chunks this registry wrote (the store's growth from conversions).
 pub const CHUNK_BYTES_WRITTEN: &str = "amber_chunk_bytes_written_total";
+/// Layers conversions read and decompressed.
+pub const CONVERT_LAYERS_READ: &str = "amber_conversion_layers_read_total";
+/// Layers conversions did not read because a kept layer-chain state covered them.
+pub const CONVERT_LAYERS_REUSED: &str = "amber_conversion_layers_reused_total";
 
 /// Image config media types whose manifests are container images (others are artifacts).
 fn is_image_config(media_type: &str) -> bool {
@@ -248,7 +255,96 @@ fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io:
     Ok(())
 }
 
-/// Converts one stored image manifest; returns its env digest.
+/// Reads chunks back from the store for a conversion that starts from a kept layer-chain
+/// state (the converter checks each against its id).
+struct StoreChunks {
+    reg: Arc<Registry>,
+    handle: Handle,
+}
+
+impl ChunkSource for StoreChunks {
+    fn chunk(&mut self, id: &ChunkId) -> io::Result<Vec<u8>> {
+        let stored = self
+            .handle
+            .block_on(self.reg.store.read_all(&ObjectKey::chunk(id)))
+            .map_err(|e| io::Error::other(format!("reading chunk {id}: {e}")))?;
+        let mut out = Vec::new();
+        zstd::stream::read::Decoder::new(&stored[..])?
+            .take(amber_converter::chunk::MAX_CHUNK + 1)
+            .read_to_end(&mut out)?;
+        Ok(out)
+    }
+}
+
+/// The most layer-chain states one conversion keeps (each is a copy of the tree while
+/// the conversion runs).
+const MAX_KEPT_CHAINS: usize = 16;
+
+/// What `.env` memo objects hold: the env of exactly one chain of layers.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ChainEnv {
+    env: String,
+}
+
+/// The kept state of the longest chain among `keys` (prefixes of the image's layers)
+/// that has one, if any. A damaged state is skipped (and replaced by this conversion).
+fn longest_kept_chain(
+    reg: &Registry,
+    handle: &Handle,
+    keys: &[ChainKey],
+) -> anyhow::Result<Option<ChainState>> {
+    for (i, key) in keys.iter().enumerate().rev() {
+        let obj = ObjectKey::chain(key);
+        if handle.block_on(reg.store.stat(&obj))?.is_none() {
+            continue;
+        }
+        let bytes = handle.block_on(reg.store.read_all(&obj))?;
+        match ChainState::decode(&bytes) {
+            Ok(state) if state.layers as usize == i + 1 => return Ok(Some(state)),
+            Ok(state) => tracing::warn!(
+                chain = %key.hex(),
+                layers = state.layers,
+                "kept layer chain state has the wrong length; ignored"
+            ),
+            Err(e) => {
+                tracing::warn!(chain = %key.hex(), error = %e, "kept layer chain state ignored")
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The env and stored envelope of a conversion of exactly these layers, if one ran.
+fn converted_chain(
+    reg: &Registry,
+    handle: &Handle,
+    key: &ChainKey,
+) -> anyhow::Result<Option<(String, Bytes)>> {
+    let memo = ObjectKey::chain_env(key);
+    if handle.block_on(reg.store.stat(&memo))?.is_none() {
+        return Ok(None);
+    }
+    let Ok(memo) = serde_json::from_slice::<ChainEnv>(&handle.block_on(reg.store.read_all(&memo))?)
+    else {
+        return Ok(None);
+    };
+    let Ok(env) = memo.env.parse::<EnvDigest>() else {
+        return Ok(None);
+    };
+    let envelope = ObjectKey::env(&env);
+    if handle.block_on(reg.store.stat(&envelope))?.is_none() {
+        return Ok(None);
+    }
+    Ok(Some((
+        memo.env,
+        handle.block_on(reg.store.read_all(&envelope))?,
+    )))
+}
+
+/// Converts one stored image manifest; returns its env digest. Work done before for the
+/// same lower layers is reused (`amber_converter::chain`): the layers below the longest
+/// kept chain are not read, and an image whose every layer was converted before (the
+/// same layers under another config or tag) is not converted at all.
 fn convert_image(
     reg: &Arc<Registry>,
     handle: &Handle,
@@ -258,51 +354,66 @@ fn convert_image(
     let repo = RepoName::parse(repo)?;
     let bytes = handle.block_on(reg.store.read_all(&ObjectKey::blob(image)))?;
     let v: Value = serde_json::from_slice(&bytes)?;
-    let layers = v["layers"].as_array().cloned().unwrap_or_default();
-    let mut inputs = Vec::new();
-    for l in &layers {
+    let mut layers = Vec::new();
+    for l in v["layers"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+    {
         let d: Digest = l["digest"].as_str().unwrap_or_default().parse()?;
         let size = reg.index.blob_size(&d)?.ok_or_else(|| {
             anyhow::anyhow!(
                 "layer {d} is not stored (non-distributable layers cannot be converted)"
             )
         })?;
-        inputs.push(LayerInput {
-            name: d.to_string(),
-            reader: Box::new(object_reader(
-                &reg.store,
-                handle,
-                ObjectKey::blob(&d),
-                size,
-            )?),
-        });
+        layers.push((d, size));
     }
-    let scratch_dir = reg.config.data.join("tmp");
-    std::fs::create_dir_all(&scratch_dir)?;
-    let mut scratch = tempfile::tempfile_in(&scratch_dir)?;
-    let threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    let (sink_reg, sink_handle) = (reg.clone(), handle.clone());
-    let mut sink = ParallelSink::new(
-        threads,
-        Arc::new(move |id, data: &[u8]| store_chunk(&sink_reg, &sink_handle, id, data)),
+    let keys = chain_keys(
+        &layers
+            .iter()
+            .map(|(d, _)| d.to_string())
+            .collect::<Vec<_>>(),
     );
-    let limits = amber_converter::tree::Limits {
-        max_entries: reg.config.max_image_entries,
-        deadline: Some(
-            std::time::Instant::now() + std::time::Duration::from_secs(reg.config.max_convert_secs),
-        ),
+    if let Some((env, envelope)) = match keys.last() {
+        Some(key) => converted_chain(reg, handle, key)?,
+        None => None,
+    } {
+        metrics::counter!(CONVERT_LAYERS_REUSED).increment(layers.len() as u64);
+        tracing::info!(%image, %env, "every layer converted before: env reused");
+        publish_referrer(
+            reg,
+            handle,
+            &repo,
+            image,
+            bytes.len() as u64,
+            &v,
+            &envelope,
+            &env,
+        )?;
+        return Ok(env);
+    }
+    let start = match keys.len() {
+        0 => None,
+        n => longest_kept_chain(reg, handle, &keys[..n - 1])?,
     };
-    let out = amber_converter::convert_with_limits(
-        inputs,
-        &mut scratch,
-        &mut sink,
-        None,
-        &mut |_| {},
-        limits,
-    )?;
-    sink.finish()?;
+    let out = match start {
+        Some(state) => {
+            let reused = state.layers as usize;
+            match convert_layers(reg, handle, &layers, &keys, Some(state)) {
+                Ok(out) => {
+                    metrics::counter!(CONVERT_LAYERS_REUSED).increment(reused as u64);
+                    out
+                }
+                Err(e) => {
+                    // A kept state is derived data: if it cannot be used (a chunk it
+                    // names unreadable, say), convert every layer instead.
+                    tracing::warn!(%image, error = %format!("{e:#}"), "conversion from a kept layer chain failed; converting every layer");
+                    convert_layers(reg, handle, &layers, &keys, None)?
+                }
+            }
+        }
+        None => convert_layers(reg, handle, &layers, &keys, None)?,
+    };
     let env = out.manifest.env_digest();
     let envelope = ManifestEnvelope {
         env_digest: env,
@@ -325,7 +436,89 @@ fn convert_image(
         &envelope_bytes,
         &env.to_string(),
     )?;
+    // Kept for later images, now that every chunk they name is stored.
+    for state in &out.chains {
+        let key = &keys[state.layers as usize - 1];
+        handle.block_on(
+            reg.store
+                .put(&ObjectKey::chain(key), Bytes::from(state.encode())),
+        )?;
+    }
+    if let Some(key) = keys.last() {
+        let memo = serde_json::to_vec(&ChainEnv {
+            env: env.to_string(),
+        })?;
+        handle.block_on(reg.store.put(&ObjectKey::chain_env(key), Bytes::from(memo)))?;
+    }
     Ok(env.to_string())
+}
+
+/// Runs the converter over the layers above `start` (all of them without one), keeping
+/// the states of the chains above it that no conversion kept yet; every chunk is stored
+/// when this returns.
+fn convert_layers(
+    reg: &Arc<Registry>,
+    handle: &Handle,
+    layers: &[(Digest, u64)],
+    keys: &[ChainKey],
+    start: Option<ChainState>,
+) -> anyhow::Result<amber_converter::Converted> {
+    let first = start.as_ref().map_or(0, |s| s.layers as usize);
+    metrics::counter!(CONVERT_LAYERS_READ).increment((layers.len() - first) as u64);
+    let mut inputs = Vec::new();
+    for (d, size) in &layers[first..] {
+        inputs.push(LayerInput {
+            name: d.to_string(),
+            reader: Box::new(object_reader(
+                &reg.store,
+                handle,
+                ObjectKey::blob(d),
+                *size,
+            )?),
+        });
+    }
+    // Every chain strictly inside the image and above `start` lacks a state (the search
+    // for `start` went from the top down).
+    let keep: Vec<u32> = (first + 1..keys.len())
+        .take(MAX_KEPT_CHAINS)
+        .map(|k| k as u32)
+        .collect();
+    let scratch_dir = reg.config.data.join("tmp");
+    std::fs::create_dir_all(&scratch_dir)?;
+    let mut scratch = tempfile::tempfile_in(&scratch_dir)?;
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let (sink_reg, sink_handle) = (reg.clone(), handle.clone());
+    let mut sink = ParallelSink::new(
+        threads,
+        Arc::new(move |id, data: &[u8]| store_chunk(&sink_reg, &sink_handle, id, data)),
+    );
+    let limits = amber_converter::tree::Limits {
+        max_entries: reg.config.max_image_entries,
+        deadline: Some(
+            std::time::Instant::now() + std::time::Duration::from_secs(reg.config.max_convert_secs),
+        ),
+    };
+    let mut source = StoreChunks {
+        reg: reg.clone(),
+        handle: handle.clone(),
+    };
+    let out = amber_converter::convert_reusing(
+        inputs,
+        &mut scratch,
+        &mut sink,
+        None,
+        &mut |_| {},
+        limits,
+        Reuse {
+            start,
+            keep,
+            source: Some(&mut source),
+        },
+    )?;
+    sink.finish()?;
+    Ok(out)
 }
 
 /// Stores the envelope as a blob and an artifact manifest whose subject is the image.

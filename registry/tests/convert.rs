@@ -27,7 +27,18 @@ type LayerBlob = (Vec<u8>, &'static str);
 
 /// Pushes an image with `blobs` as its layers; returns the manifest digest.
 async fn push_image(s: &Server, repo: &str, tag: &str, blobs: &[(Vec<u8>, &str)]) -> String {
-    let config = json!({"architecture": "amd64", "os": "linux", "config": {}, "rootfs": {"type": "layers", "diff_ids": []}}).to_string();
+    push_image_labelled(s, repo, tag, blobs, "").await
+}
+
+/// `push_image` with a config that differs by its label.
+async fn push_image_labelled(
+    s: &Server,
+    repo: &str,
+    tag: &str,
+    blobs: &[(Vec<u8>, &str)],
+    label: &str,
+) -> String {
+    let config = json!({"architecture": "amd64", "os": "linux", "config": {"Labels": {"l": label}}, "rootfs": {"type": "layers", "diff_ids": []}}).to_string();
     let cd = push_blob(s, repo, config.as_bytes()).await;
     let mut descs = Vec::new();
     for (blob, mt) in blobs {
@@ -148,6 +159,138 @@ async fn pushed_images_convert_to_the_same_device_whatever_the_compression_on(st
         written > 0 && existing >= 2 * written,
         "written {written}, existing {existing}"
     );
+}
+
+/// A base, an environment layer and two task layers that overwrite, delete (whiteouts),
+/// hide (an opaque directory) and hard-link what the layers below them hold.
+fn shared_base_layers() -> (Vec<Vec<u8>>, Vec<u8>, Vec<u8>) {
+    let noise = |seed: u32, len: usize| -> Vec<u8> {
+        (0..len as u32)
+            .map(|i| (i.wrapping_add(seed * 7919).wrapping_mul(2654435761) >> 13) as u8)
+            .collect()
+    };
+    let mut base = Layer::new().dir("usr/lib", 0o755).dir("etc/conf.d", 0o755);
+    for i in 0..60u32 {
+        base = base.file(
+            &format!("usr/lib/m{i:02}.py"),
+            0o644,
+            &noise(i, 200 + i as usize * 131),
+        );
+    }
+    for i in 0..5u32 {
+        base = base.file(&format!("etc/conf.d/c{i}"), 0o644, &noise(100 + i, 300));
+    }
+    let base = base
+        .file("usr/lib/big.so", 0o755, &noise(7, 1_500_000))
+        .hardlink("usr/lib/alias.py", "usr/lib/m03.py")
+        .tar();
+    let env = Layer::new()
+        .file("usr/lib/m10a.py", 0o644, b"between base files\n")
+        .file("usr/lib/m20.py", 0o600, b"overwritten\n")
+        .file("usr/lib/.wh.m21.py", 0o644, b"")
+        .tar();
+    let task = |n: u8| {
+        Layer::new()
+            .file("etc/conf.d/.wh..wh..opq", 0o644, b"")
+            .file("etc/conf.d/only", 0o644, &[n; 10])
+            .file(&format!("usr/lib/.wh.m3{n}.py"), 0o644, b"")
+            .hardlink("usr/lib/alias2.py", "usr/lib/m40.py")
+            .file("usr/lib/big.so", 0o755, &noise(8 + n as u32, 400_000))
+            .file("task/id", 0o644, &[b'0' + n])
+            .tar()
+    };
+    (vec![base, env], task(1), task(2))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_on_a_converted_base_read_only_their_own_layers() {
+    images_on_a_converted_base_read_only_their_own_layers_on(Storage::Fs).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn images_on_a_converted_base_read_only_their_own_layers_on_s3() {
+    images_on_a_converted_base_read_only_their_own_layers_on(Storage::S3).await;
+}
+
+async fn images_on_a_converted_base_read_only_their_own_layers_on(storage: Storage) {
+    let s = Server::start_on(storage, &[]);
+    let (lower, task1, task2) = shared_base_layers();
+    let image = |top: &Vec<u8>| {
+        let mut l = lower.clone();
+        l.push(top.clone());
+        l
+    };
+    let blobs =
+        |tars: &[Vec<u8>]| -> Vec<LayerBlob> { tars.iter().map(|t| (gzip(t), TGZ)).collect() };
+    // One at a time: each conversion finds what the one before kept.
+    let pushes = [
+        ("a", image(&task1), ""),
+        ("b", image(&task2), ""),
+        ("a-relabelled", image(&task1), "another config"),
+    ];
+    for (tag, tars, label) in &pushes {
+        push_image_labelled(&s, "conv/tasks", tag, &blobs(tars), label).await;
+        let v = settled(&s, "conv/tasks", tag).await;
+        assert_eq!(v["state"], "done", "{tag}: {v}");
+        let (local_env, local_dev) = local_conversion(tars);
+        assert_eq!(
+            v["env_digest"], local_env,
+            "{tag}: the env digest of a conversion of every layer"
+        );
+        let (_, dev) = device_from_api(&s, &local_env).await;
+        assert!(dev == local_dev, "{tag}: device bytes differ");
+    }
+    let metrics = metrics_text(&s).await;
+    // a: 3 layers read; b: only its task layer (2 reused); a-relabelled: nothing read
+    // (all 3 reused).
+    assert_eq!(metric(&metrics, "amber_conversion_layers_read_total"), 4);
+    assert_eq!(metric(&metrics, "amber_conversion_layers_reused_total"), 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_kept_chain_state_means_a_full_conversion_not_a_wrong_env() {
+    let s = Server::start(&[]);
+    let (lower, task1, task2) = shared_base_layers();
+    let mut a = lower.clone();
+    a.push(task1);
+    push_image(
+        &s,
+        "conv/damaged",
+        "a",
+        &a.iter().map(|t| (gzip(t), TGZ)).collect::<Vec<_>>(),
+    )
+    .await;
+    assert_eq!(settled(&s, "conv/damaged", "a").await["state"], "done");
+    // Flip a byte in every kept state.
+    let chains = s.data.join("store/chains");
+    let mut damaged = 0;
+    for f in files_under(&chains) {
+        if f.extension().is_none() {
+            let mut b = std::fs::read(&f).unwrap();
+            let mid = b.len() / 2;
+            b[mid] ^= 0x40;
+            std::fs::write(&f, b).unwrap();
+            damaged += 1;
+        }
+    }
+    assert_eq!(
+        damaged, 2,
+        "states of layers 1 and 1-2 kept under {chains:?}"
+    );
+    let mut b = lower.clone();
+    b.push(task2);
+    push_image(
+        &s,
+        "conv/damaged",
+        "b",
+        &b.iter().map(|t| (gzip(t), TGZ)).collect::<Vec<_>>(),
+    )
+    .await;
+    let v = settled(&s, "conv/damaged", "b").await;
+    assert_eq!(v["state"], "done", "{v}");
+    assert_eq!(v["env_digest"], local_conversion(&b).0);
+    let metrics = metrics_text(&s).await;
+    assert_eq!(metric(&metrics, "amber_conversion_layers_read_total"), 6);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -369,6 +369,33 @@ async fn docker_export_equals_the_tree_in_amber_s_erofs_device() {
     ]);
     build(&s, "special", &apt_key);
     diffs.extend(compare(&s, "special", work.path()).await);
+    // The registry converted these from the kept states of their shared lower layers
+    // (the Debian base; debian-apt's layers under special): a conversion of every layer
+    // in another process gives the same env digests.
+    let metrics = metrics_text(&s).await;
+    assert!(
+        metric(&metrics, "amber_conversion_layers_reused_total") >= 4,
+        "conversions reused the base's work: {metrics}"
+    );
+    for name in ["debian-apt", "python-pip", "node-npm", "special"] {
+        let image = format!("{}/fidelity/{name}:v1", s.addr);
+        let archive = work.path().join(format!("{name}.docker.tar"));
+        docker_ok(&["save", "-o", archive.to_str().unwrap(), &image]);
+        let out = Command::new(workspace_bin("amber-convert"))
+            .arg(&archive)
+            .arg("--out")
+            .arg(work.path().join(format!("{name}.full")))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "amber-convert {name}: {out:?}");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            env_of(&s, &format!("fidelity/{name}")).await,
+            "{name}: the registry's env digest is that of a conversion of every layer"
+        );
+        std::fs::remove_dir_all(work.path().join(format!("{name}.full"))).unwrap();
+        std::fs::remove_file(&archive).unwrap();
+    }
     assert!(
         diffs.is_empty(),
         "{} differences:\n{}",

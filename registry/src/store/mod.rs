@@ -62,6 +62,20 @@ impl ObjectKey {
         ObjectKey(format!("envs/blake3/{}/{hex}", &hex[..2]))
     }
 
+    /// The key of a kept layer-chain state (`amber_converter::chain`), named by its
+    /// chain key. Derived data: a missing or damaged one only costs a full conversion.
+    pub fn chain(key: &amber_converter::chain::ChainKey) -> ObjectKey {
+        let hex = key.hex();
+        ObjectKey(format!("chains/blake3/{}/{hex}", &hex[..2]))
+    }
+
+    /// The env digest a conversion of exactly this chain of layers gave (so the same
+    /// layers under another config or tag are not converted again).
+    pub fn chain_env(key: &amber_converter::chain::ChainKey) -> ObjectKey {
+        let hex = key.hex();
+        ObjectKey(format!("chains/blake3/{}/{hex}.env", &hex[..2]))
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
