@@ -478,11 +478,24 @@ fn convert_layers(
         });
     }
     // Every chain strictly inside the image and above `start` lacks a state (the search
-    // for `start` went from the top down).
-    let keep: Vec<u32> = (first + 1..keys.len())
-        .take(MAX_KEPT_CHAINS)
-        .map(|k| k as u32)
-        .collect();
+    // for `start` went from the top down); one is kept for a chain another image had
+    // (a shared base), and a chain seen for the first time is only marked.
+    let mut keep = Vec::new();
+    for (k, key) in keys
+        .iter()
+        .enumerate()
+        .take(keys.len().saturating_sub(1))
+        .skip(first)
+    {
+        let seen = ObjectKey::chain_seen(key);
+        if handle.block_on(reg.store.stat(&seen))?.is_some() {
+            if keep.len() < MAX_KEPT_CHAINS {
+                keep.push(k as u32 + 1);
+            }
+        } else {
+            handle.block_on(reg.store.put(&seen, Bytes::new()))?;
+        }
+    }
     let scratch_dir = reg.config.data.join("tmp");
     std::fs::create_dir_all(&scratch_dir)?;
     let mut scratch = tempfile::tempfile_in(&scratch_dir)?;

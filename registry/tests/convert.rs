@@ -163,7 +163,7 @@ async fn pushed_images_convert_to_the_same_device_whatever_the_compression_on(st
 
 /// A base, an environment layer and two task layers that overwrite, delete (whiteouts),
 /// hide (an opaque directory) and hard-link what the layers below them hold.
-fn shared_base_layers() -> (Vec<Vec<u8>>, Vec<u8>, Vec<u8>) {
+fn shared_base_layers() -> (Vec<Vec<u8>>, Vec<u8>, Vec<u8>, Vec<u8>) {
     let noise = |seed: u32, len: usize| -> Vec<u8> {
         (0..len as u32)
             .map(|i| (i.wrapping_add(seed * 7919).wrapping_mul(2654435761) >> 13) as u8)
@@ -199,7 +199,7 @@ fn shared_base_layers() -> (Vec<Vec<u8>>, Vec<u8>, Vec<u8>) {
             .file("task/id", 0o644, &[b'0' + n])
             .tar()
     };
-    (vec![base, env], task(1), task(2))
+    (vec![base, env], task(1), task(2), task(3))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -214,7 +214,7 @@ async fn images_on_a_converted_base_read_only_their_own_layers_on_s3() {
 
 async fn images_on_a_converted_base_read_only_their_own_layers_on(storage: Storage) {
     let s = Server::start_on(storage, &[]);
-    let (lower, task1, task2) = shared_base_layers();
+    let (lower, task1, task2, task3) = shared_base_layers();
     let image = |top: &Vec<u8>| {
         let mut l = lower.clone();
         l.push(top.clone());
@@ -222,10 +222,11 @@ async fn images_on_a_converted_base_read_only_their_own_layers_on(storage: Stora
     };
     let blobs =
         |tars: &[Vec<u8>]| -> Vec<LayerBlob> { tars.iter().map(|t| (gzip(t), TGZ)).collect() };
-    // One at a time: each conversion finds what the one before kept.
+    // One at a time: each conversion finds what the ones before kept.
     let pushes = [
         ("a", image(&task1), ""),
         ("b", image(&task2), ""),
+        ("c", image(&task3), ""),
         ("a-relabelled", image(&task1), "another config"),
     ];
     for (tag, tars, label) in &pushes {
@@ -241,31 +242,38 @@ async fn images_on_a_converted_base_read_only_their_own_layers_on(storage: Stora
         assert!(dev == local_dev, "{tag}: device bytes differ");
     }
     let metrics = metrics_text(&s).await;
-    // a: 3 layers read; b: only its task layer (2 reused); a-relabelled: nothing read
-    // (all 3 reused).
-    assert_eq!(metric(&metrics, "amber_conversion_layers_read_total"), 4);
+    // a: 3 layers read, its lower chains marked as seen; b: 3 read, and the states of
+    // the chains a had too kept; c: only its task layer read (2 reused); a-relabelled:
+    // nothing read (all 3 reused).
+    assert_eq!(metric(&metrics, "amber_conversion_layers_read_total"), 7);
     assert_eq!(metric(&metrics, "amber_conversion_layers_reused_total"), 5);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_kept_chain_state_means_a_full_conversion_not_a_wrong_env() {
     let s = Server::start(&[]);
-    let (lower, task1, task2) = shared_base_layers();
-    let mut a = lower.clone();
-    a.push(task1);
-    push_image(
-        &s,
-        "conv/damaged",
-        "a",
-        &a.iter().map(|t| (gzip(t), TGZ)).collect::<Vec<_>>(),
-    )
-    .await;
-    assert_eq!(settled(&s, "conv/damaged", "a").await["state"], "done");
+    let (lower, task1, task2, task3) = shared_base_layers();
+    let push = |tag: &'static str, top: &Vec<u8>| {
+        let mut tars = lower.clone();
+        tars.push(top.clone());
+        let s = &s;
+        async move {
+            let blobs: Vec<LayerBlob> = tars.iter().map(|t| (gzip(t), TGZ)).collect();
+            push_image(s, "conv/damaged", tag, &blobs).await;
+            let v = settled(s, "conv/damaged", tag).await;
+            assert_eq!(v["state"], "done", "{tag}: {v}");
+            assert_eq!(v["env_digest"], local_conversion(&tars).0, "{tag}");
+        }
+    };
+    // a marks the lower chains as seen, b keeps their states.
+    push("a", &task1).await;
+    push("b", &task2).await;
     // Flip a byte in every kept state.
     let chains = s.data.join("store/chains");
     let mut damaged = 0;
     for f in files_under(&chains) {
         if f.extension().is_none() {
+            // A state (not a `.seen` marker or an `.env` memo).
             let mut b = std::fs::read(&f).unwrap();
             let mid = b.len() / 2;
             b[mid] ^= 0x40;
@@ -277,20 +285,11 @@ async fn a_damaged_kept_chain_state_means_a_full_conversion_not_a_wrong_env() {
         damaged, 2,
         "states of layers 1 and 1-2 kept under {chains:?}"
     );
-    let mut b = lower.clone();
-    b.push(task2);
-    push_image(
-        &s,
-        "conv/damaged",
-        "b",
-        &b.iter().map(|t| (gzip(t), TGZ)).collect::<Vec<_>>(),
-    )
-    .await;
-    let v = settled(&s, "conv/damaged", "b").await;
-    assert_eq!(v["state"], "done", "{v}");
-    assert_eq!(v["env_digest"], local_conversion(&b).0);
+    // c finds only damaged states: it reads every layer and still gets its own env.
+    push("c", &task3).await;
     let metrics = metrics_text(&s).await;
-    assert_eq!(metric(&metrics, "amber_conversion_layers_read_total"), 6);
+    assert_eq!(metric(&metrics, "amber_conversion_layers_read_total"), 9);
+    assert_eq!(metric(&metrics, "amber_conversion_layers_reused_total"), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

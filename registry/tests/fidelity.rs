@@ -369,12 +369,12 @@ async fn docker_export_equals_the_tree_in_amber_s_erofs_device() {
     ]);
     build(&s, "special", &apt_key);
     diffs.extend(compare(&s, "special", work.path()).await);
-    // The registry converted these from the kept states of their shared lower layers
-    // (the Debian base; debian-apt's layers under special): a conversion of every layer
-    // in another process gives the same env digests.
+    // debian-apt marked the Debian base's chain as seen, python-pip kept its state, and
+    // node-npm and special were converted from it: a conversion of every layer in
+    // another process gives the same env digests.
     let metrics = metrics_text(&s).await;
     assert!(
-        metric(&metrics, "amber_conversion_layers_reused_total") >= 4,
+        metric(&metrics, "amber_conversion_layers_reused_total") >= 2,
         "conversions reused the base's work: {metrics}"
     );
     for name in ["debian-apt", "python-pip", "node-npm", "special"] {

@@ -76,6 +76,13 @@ impl ObjectKey {
         ObjectKey(format!("chains/blake3/{}/{hex}.env", &hex[..2]))
     }
 
+    /// Marks a chain of layers that a conversion has seen: a state is kept only for a
+    /// chain seen before, so images with layers of their own cost no state.
+    pub fn chain_seen(key: &amber_converter::chain::ChainKey) -> ObjectKey {
+        let hex = key.hex();
+        ObjectKey(format!("chains/blake3/{}/{hex}.seen", &hex[..2]))
+    }
+
     pub fn as_str(&self) -> &str {
         &self.0
     }
