@@ -480,16 +480,12 @@ fn convert_layers(
     // Every chain strictly inside the image and above `start` lacks a state (the search
     // for `start` went from the top down); one is kept for a chain another image had
     // (a shared base), and a chain seen for the first time is only marked.
+    // The whole image's chain is marked too (an image built FROM this one has it).
     let mut keep = Vec::new();
-    for (k, key) in keys
-        .iter()
-        .enumerate()
-        .take(keys.len().saturating_sub(1))
-        .skip(first)
-    {
+    for (k, key) in keys.iter().enumerate().skip(first) {
         let seen = ObjectKey::chain_seen(key);
         if handle.block_on(reg.store.stat(&seen))?.is_some() {
-            if keep.len() < MAX_KEPT_CHAINS {
+            if keep.len() < MAX_KEPT_CHAINS && k + 1 < keys.len() {
                 keep.push(k as u32 + 1);
             }
         } else {
