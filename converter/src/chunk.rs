@@ -289,14 +289,16 @@ impl<'a> Chunker<'a> {
             self.flush_pack()?;
             let count = padded.div_ceil(MAX_CHUNK) as usize;
             let piece_len = |i: usize| (padded - i as u64 * MAX_CHUNK).min(MAX_CHUNK);
+            if let FileData::Stored(DataLocation::Large { pieces }) = &data {
+                if pieces.len() != count {
+                    return Err(bad_location(format!(
+                        "a stored file of {len} bytes has {} pieces, not {count}",
+                        pieces.len()
+                    )));
+                }
+            }
             let pieces = match data {
                 FileData::Stored(DataLocation::Large { pieces }) if self.raw.is_none() => {
-                    if pieces.len() != count {
-                        return Err(bad_location(format!(
-                            "a stored file of {len} bytes has {} pieces, not {count}",
-                            pieces.len()
-                        )));
-                    }
                     for (i, p) in pieces.iter().enumerate() {
                         if let Some(id) = p {
                             self.known(offset + i as u64 * MAX_CHUNK, piece_len(i), *id);
@@ -306,12 +308,6 @@ impl<'a> Chunker<'a> {
                 }
                 FileData::Stored(DataLocation::Large { pieces }) => {
                     // With a raw sink every byte is written: read the pieces back.
-                    if pieces.len() != count {
-                        return Err(bad_location(format!(
-                            "a stored file of {len} bytes has {} pieces, not {count}",
-                            pieces.len()
-                        )));
-                    }
                     let mut out = Vec::with_capacity(count);
                     for (i, p) in pieces.iter().enumerate() {
                         let n = piece_len(i) as usize;
