@@ -374,24 +374,41 @@ fn convert_image(
             .map(|(d, _)| d.to_string())
             .collect::<Vec<_>>(),
     );
-    if let Some((env, envelope)) = match keys.last() {
+    let reused = match keys.last() {
         Some(key) => converted_chain(reg, handle, key)?,
         None => None,
-    } {
-        metrics::counter!(CONVERT_LAYERS_REUSED).increment(layers.len() as u64);
-        tracing::info!(%image, %env, "every layer converted before: env reused");
-        publish_referrer(
-            reg,
-            handle,
-            &repo,
-            image,
-            bytes.len() as u64,
-            &v,
-            &envelope,
-            &env,
-        )?;
-        return Ok(env);
-    }
+    };
+    let (env, envelope) = match reused {
+        Some(done) => {
+            metrics::counter!(CONVERT_LAYERS_REUSED).increment(layers.len() as u64);
+            tracing::info!(%image, env = %done.0, "every layer converted before: env reused");
+            done
+        }
+        None => convert_and_keep(reg, handle, image, &layers, &keys)?,
+    };
+    publish_referrer(
+        reg,
+        handle,
+        &repo,
+        image,
+        bytes.len() as u64,
+        &v,
+        &envelope,
+        &env,
+    )?;
+    Ok(env)
+}
+
+/// Converts the image from the longest kept chain of its layers (or all of them), stores
+/// its envelope, then the chain states it kept and the memo of its whole chain; returns
+/// the env digest and the stored envelope.
+fn convert_and_keep(
+    reg: &Arc<Registry>,
+    handle: &Handle,
+    image: &Digest,
+    layers: &[(Digest, u64)],
+    keys: &[ChainKey],
+) -> anyhow::Result<(String, Bytes)> {
     let start = match keys.len() {
         0 => None,
         n => longest_kept_chain(reg, handle, &keys[..n - 1])?,
@@ -399,20 +416,30 @@ fn convert_image(
     let out = match start {
         Some(state) => {
             let reused = state.layers as usize;
-            match convert_layers(reg, handle, &layers, &keys, Some(state)) {
+            match convert_layers(reg, handle, layers, keys, Some(state)) {
                 Ok(out) => {
                     metrics::counter!(CONVERT_LAYERS_REUSED).increment(reused as u64);
                     out
+                }
+                // The image's own layers are refused (hostile entry, limits): converting
+                // every layer would only fail again, later.
+                Err(e)
+                    if matches!(
+                        e.downcast_ref(),
+                        Some(amber_converter::ConvertError::Tree(_))
+                    ) =>
+                {
+                    return Err(e)
                 }
                 Err(e) => {
                     // A kept state is derived data: if it cannot be used (a chunk it
                     // names unreadable, say), convert every layer instead.
                     tracing::warn!(%image, error = %format!("{e:#}"), "conversion from a kept layer chain failed; converting every layer");
-                    convert_layers(reg, handle, &layers, &keys, None)?
+                    convert_layers(reg, handle, layers, keys, None)?
                 }
             }
         }
-        None => convert_layers(reg, handle, &layers, &keys, None)?,
+        None => convert_layers(reg, handle, layers, keys, None)?,
     };
     let env = out.manifest.env_digest();
     let envelope = ManifestEnvelope {
@@ -426,16 +453,6 @@ fn convert_image(
     };
     let envelope_bytes = encode_envelope(&serde_json::to_vec(&envelope)?)?;
     handle.block_on(reg.store.put(&ObjectKey::env(&env), envelope_bytes.clone()))?;
-    publish_referrer(
-        reg,
-        handle,
-        &repo,
-        image,
-        bytes.len() as u64,
-        &v,
-        &envelope_bytes,
-        &env.to_string(),
-    )?;
     // Kept for later images, now that every chunk they name is stored.
     for state in &out.chains {
         let key = &keys[state.layers as usize - 1];
@@ -450,7 +467,7 @@ fn convert_image(
         })?;
         handle.block_on(reg.store.put(&ObjectKey::chain_env(key), Bytes::from(memo)))?;
     }
-    Ok(env.to_string())
+    Ok((env.to_string(), envelope_bytes))
 }
 
 /// Runs the converter over the layers above `start` (all of them without one), keeping
