@@ -53,6 +53,7 @@ pub struct FileConfig {
     pub max_manifest_bytes: Option<usize>,
     pub immutable_tags: Option<Vec<String>>,
     pub convert_workers: Option<usize>,
+    pub conversion_lease_secs: Option<u64>,
     pub upstreams: Option<Vec<String>>,
     pub upstream_auth_file: Option<PathBuf>,
 }
@@ -132,6 +133,10 @@ pub struct ConfigArgs {
     /// Images converted at once (0 queues conversions without running them).
     #[arg(long, env = "AMBER_CONVERT_WORKERS")]
     pub convert_workers: Option<usize>,
+    /// Seconds a replica holds a conversion without renewing its lease; after that any
+    /// replica over the same store may take the conversion over (a replica that died).
+    #[arg(long, env = "AMBER_CONVERSION_LEASE_SECS")]
+    pub conversion_lease_secs: Option<u64>,
     /// Registries this one pulls through: the first request for
     /// `<host>/<name>:<tag>` (in amber `<mirror prefix>/<name>`, e.g.
     /// `docker.io/library/python`) imports it. Each `host` or `host=URL` (the URL to
@@ -163,6 +168,7 @@ pub struct Config {
     pub max_manifest_bytes: usize,
     pub immutable_tags: Vec<String>,
     pub convert_workers: usize,
+    pub conversion_lease_secs: u64,
     pub upstreams: Vec<crate::mirrors::UpstreamSpec>,
     pub upstream_auth_file: Option<PathBuf>,
 }
@@ -189,6 +195,7 @@ impl Default for Config {
             convert_workers: std::thread::available_parallelism()
                 .map(|n| n.get().div_ceil(2))
                 .unwrap_or(1),
+            conversion_lease_secs: 60,
             upstreams: Vec::new(),
             upstream_auth_file: None,
         }
@@ -292,6 +299,11 @@ impl ConfigArgs {
                 .convert_workers
                 .or(file.convert_workers)
                 .unwrap_or(d.convert_workers),
+            conversion_lease_secs: self
+                .conversion_lease_secs
+                .or(file.conversion_lease_secs)
+                .unwrap_or(d.conversion_lease_secs)
+                .max(1),
             upstreams: self
                 .upstreams
                 .clone()

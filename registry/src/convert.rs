@@ -1,9 +1,8 @@
 //! Conversion on push: every pushed image manifest (or the linux/amd64 entry of an index)
-//! becomes a block device, in a bounded pool of workers.
+//! becomes a block device. Queueing, claiming and recording outcomes is `convert_queue`'s;
+//! this module converts one image.
 //!
 //! Invariants kept here:
-//! - an image's state (queued, running, done, failed + error) is in the index, so it
-//!   survives a restart, and unfinished conversions are resumed at startup;
 //! - the mapping image digest -> env digest is written once; an image that has one is
 //!   never converted again, whatever the converter version;
 //! - a chunk already in the store is not written again;
@@ -24,8 +23,7 @@ use serde_json::{json, Value};
 use tokio::runtime::Handle;
 use tokio_util::io::{StreamReader, SyncIoBridge};
 
-use crate::clock::now_unix;
-use crate::index::{Conversion, ConversionState, ManifestRecord, ManifestWrite};
+use crate::index::{ManifestRecord, ManifestWrite};
 use crate::registry::Registry;
 use crate::store::{ObjectKey, ObjectStore};
 use amber_oci::digest::{Algorithm, Digest};
@@ -91,8 +89,8 @@ fn is_image_config(media_type: &str) -> bool {
 }
 
 /// Decides what a pushed (already validated) manifest means for conversion; queues the
-/// image if needed.
-pub fn on_manifest_pushed(
+/// image if needed (in the shared queue, `convert_queue`, before the push is acknowledged).
+pub async fn on_manifest_pushed(
     reg: &Arc<Registry>,
     repo: &RepoName,
     digest: &Digest,
@@ -114,102 +112,9 @@ pub fn on_manifest_pushed(
             None => return,
         },
     };
-    if let Err(e) = enqueue(reg, repo, &target) {
-        tracing::error!(error = %e, image = %target, "queueing conversion");
+    if let Err(e) = crate::convert_queue::enqueue(reg, repo, &target).await {
+        tracing::error!(error = %format!("{e:#}"), image = %target, "queueing conversion");
     }
-}
-
-/// Queues `image` unless it has an env digest or is queued or running already.
-pub fn enqueue(reg: &Arc<Registry>, repo: &RepoName, image: &Digest) -> anyhow::Result<()> {
-    if reg.index.image_env(image)?.is_some() {
-        return Ok(());
-    }
-    if let Some(c) = reg.index.conversion(image)? {
-        if matches!(c.state, ConversionState::Queued | ConversionState::Running) {
-            return Ok(());
-        }
-    }
-    let c = Conversion {
-        repo: repo.to_string(),
-        state: ConversionState::Queued,
-        error: None,
-        env_digest: None,
-        updated_unix: now_unix(),
-    };
-    reg.index.put_conversion(image, &c)?;
-    spawn(reg.clone(), image.clone());
-    Ok(())
-}
-
-/// Re-queues conversions that a restart interrupted.
-pub fn resume(reg: &Arc<Registry>) -> anyhow::Result<usize> {
-    let mut n = 0;
-    for (image, c) in reg.index.conversions()? {
-        if matches!(c.state, ConversionState::Queued | ConversionState::Running)
-            && reg.index.image_env(&image)?.is_none()
-        {
-            spawn(reg.clone(), image);
-            n += 1;
-        }
-    }
-    Ok(n)
-}
-
-fn spawn(reg: Arc<Registry>, image: Digest) {
-    if reg.config.convert_workers == 0 {
-        return; // conversion disabled: stays queued until a restart with workers
-    }
-    tokio::spawn(async move {
-        let Ok(_permit) = reg.convert_slots.clone().acquire_owned().await else {
-            return;
-        };
-        let Ok(Some(mut c)) = reg.index.conversion(&image) else {
-            return;
-        };
-        if reg.index.image_env(&image).ok().flatten().is_some() {
-            return;
-        }
-        c.state = ConversionState::Running;
-        c.updated_unix = now_unix();
-        let _ = reg.index.put_conversion(&image, &c);
-        metrics::counter!(CONVERSIONS_STARTED).increment(1);
-        tracing::info!(%image, repo = %c.repo, "conversion started");
-        let handle = Handle::current();
-        let job_reg = reg.clone();
-        let job_image = image.clone();
-        let repo = c.repo.clone();
-        let result = tokio::task::spawn_blocking(move || {
-            convert_image(&job_reg, &handle, &repo, &job_image)
-        })
-        .await
-        .unwrap_or_else(|e| Err(anyhow::anyhow!("conversion task panicked: {e}")));
-        match result {
-            Ok(env) => {
-                c.state = ConversionState::Done;
-                c.env_digest = Some(env.clone());
-                c.error = None;
-                c.updated_unix = now_unix();
-                if let Err(e) = reg.record_conversion(&image, &c).await {
-                    tracing::error!(%image, error = %e, "recording conversion in the store");
-                }
-                match reg.index.finish_conversion(&image, &env, &c) {
-                    Ok(_) => tracing::info!(%image, %env, "conversion done"),
-                    Err(e) => tracing::error!(%image, error = %e, "recording conversion"),
-                }
-            }
-            Err(e) => {
-                metrics::counter!(CONVERSIONS_FAILED).increment(1);
-                tracing::warn!(%image, error = %format!("{e:#}"), "conversion failed");
-                c.state = ConversionState::Failed;
-                c.error = Some(format!("{e:#}"));
-                c.updated_unix = now_unix();
-                if let Err(e) = reg.record_conversion(&image, &c).await {
-                    tracing::error!(%image, error = %e, "recording conversion in the store");
-                }
-                let _ = reg.index.put_conversion(&image, &c);
-            }
-        }
-    });
 }
 
 /// A blocking reader over a stored object.
@@ -345,7 +250,7 @@ fn converted_chain(
 /// same lower layers is reused (`amber_converter::chain`): the layers below the longest
 /// kept chain are not read, and an image whose every layer was converted before (the
 /// same layers under another config or tag) is not converted at all.
-fn convert_image(
+pub(crate) fn convert_image(
     reg: &Arc<Registry>,
     handle: &Handle,
     repo: &str,
@@ -361,7 +266,12 @@ fn convert_image(
         .unwrap_or_default()
     {
         let d: Digest = l["digest"].as_str().unwrap_or_default().parse()?;
-        let size = reg.index.blob_size(&d)?.ok_or_else(|| {
+        // Another replica may have stored the layer: the store answers for its index.
+        let size = match reg.index.blob_size(&d)? {
+            Some(size) => Some(size),
+            None => handle.block_on(reg.store.stat(&ObjectKey::blob(&d)))?,
+        }
+        .ok_or_else(|| {
             anyhow::anyhow!(
                 "layer {d} is not stored (non-distributable layers cannot be converted)"
             )

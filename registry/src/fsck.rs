@@ -145,7 +145,11 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
     }
     let staged = reg.store.list_staged().await?;
     for id in &staged {
-        if reg.index.upload(id)?.is_none() {
+        let session = match crate::uploads::SessionId::parse(id) {
+            Some(sid) => reg.upload_session(&sid).await?,
+            None => None,
+        };
+        if session.is_none() {
             let bytes = reg.store.staged_len(id).await?.unwrap_or(0);
             problems.push(Problem::OrphanStaging {
                 id: id.clone(),

@@ -1,5 +1,5 @@
 //! The metadata index, in RocksDB: repositories, tags, manifests, blob sizes, the blobs
-//! linked into each repository, referrers and upload sessions.
+//! linked into each repository and referrers (upload sessions are store records).
 //!
 //! The index never holds content; content lives in the object store. Every write that
 //! must be seen together (a manifest, its tag, its referrer link) is one atomic
@@ -15,7 +15,7 @@
 //! - `blobs`      digest                    -> size (u64 little endian)
 //! - `repo_blobs` name \0 digest            -> empty
 //! - `referrers`  name \0 subject \0 digest -> descriptor (JSON)
-//! - `uploads`    session id                -> UploadSession
+//! - `uploads`    unused (upload sessions were kept here before they became store records)
 //! - `conversions` image digest             -> Conversion (state of its conversion)
 //! - `image_envs` image digest              -> env digest (written once, never changed)
 //! - `chunks`     chunk id                  -> stored (compressed) size, u64 LE
@@ -70,17 +70,6 @@ pub struct ManifestRecord {
     /// Where it came from, when it was imported from another registry.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<amber_api::registry::ImageSource>,
-}
-
-/// An upload session; its data is the staged object of the same id.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct UploadSession {
-    pub repo: String,
-    /// Bytes acknowledged to the client; staged data past this is from an interrupted
-    /// request and is cut off on recovery.
-    pub offset: u64,
-    pub created_unix: u64,
-    pub updated_unix: u64,
 }
 
 /// Where an image's conversion to a block device stands.
@@ -471,41 +460,6 @@ impl Index {
             .put_cf(self.cf("chunks"), id, stored.to_le_bytes())?;
         Ok(())
     }
-
-    pub fn put_upload(&self, id: &str, s: &UploadSession) -> Result<(), IndexError> {
-        crate::blocking::run(|| {
-            self.db.put_cf_opt(
-                self.cf("uploads"),
-                id,
-                serde_json::to_vec(s).expect("session serializes"),
-                &synced(),
-            )
-        })?;
-        Ok(())
-    }
-
-    pub fn upload(&self, id: &str) -> Result<Option<UploadSession>, IndexError> {
-        self.get_json("uploads", id.as_bytes())
-    }
-
-    pub fn delete_upload(&self, id: &str) -> Result<(), IndexError> {
-        crate::blocking::run(|| self.db.delete_cf_opt(self.cf("uploads"), id, &synced()))?;
-        Ok(())
-    }
-
-    pub fn uploads(&self) -> Result<Vec<(String, UploadSession)>, IndexError> {
-        let mut out = Vec::new();
-        for item in self.db.iterator_cf(self.cf("uploads"), IteratorMode::Start) {
-            let (k, v) = item?;
-            let id = String::from_utf8_lossy(&k).into_owned();
-            let s = serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt {
-                key: id.clone(),
-                source,
-            })?;
-            out.push((id, s));
-        }
-        Ok(out)
-    }
 }
 
 #[cfg(test)]
@@ -603,25 +557,5 @@ mod tests {
             None,
             "a refused push writes nothing"
         );
-    }
-
-    #[test]
-    fn sessions_survive_reopen() {
-        let dir = tempfile::tempdir().unwrap();
-        let s = UploadSession {
-            repo: "x".into(),
-            offset: 5,
-            created_unix: 1,
-            updated_unix: 2,
-        };
-        {
-            let ix = Index::open(dir.path()).unwrap();
-            ix.put_upload("abc", &s).unwrap();
-        }
-        let ix = Index::open(dir.path()).unwrap();
-        assert_eq!(ix.upload("abc").unwrap(), Some(s.clone()));
-        assert_eq!(ix.uploads().unwrap(), vec![("abc".to_string(), s)]);
-        ix.delete_upload("abc").unwrap();
-        assert_eq!(ix.upload("abc").unwrap(), None);
     }
 }

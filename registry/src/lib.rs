@@ -6,11 +6,12 @@
 //!   access checks, translating requests into repository calls and errors into the
 //!   spec's responses); nothing else imports `api`;
 //! - `repository` (push a manifest: validate, store, link, tag, queue conversion),
-//!   `convert` (conversion workers), `fsck`, `reindex`: the domain, called by the
+//!   `convert` (converting one image), `convert_queue` (the conversion queue shared by
+//!   replicas: work items, leases), `fsck`, `reindex`: the domain, called by the
 //!   handlers and the command-line tools alike;
 //! - `records` (repository records: the store's truth that the index caches),
-//!   `registry` (shared state, opening, upload recovery and expiry), `auth` (accounts,
-//!   tokens);
+//!   `uploads` (upload session records, recovery and expiry), `registry` (shared state,
+//!   opening), `auth` (accounts, tokens);
 //! - `store` (object store trait and backends), `index` (RocksDB metadata), `config`,
 //!   `metrics`, `clock`, `blocking` (short blocking calls from async code).
 //!
@@ -22,6 +23,7 @@ pub mod blocking;
 pub mod clock;
 pub mod config;
 pub mod convert;
+pub mod convert_queue;
 pub mod docker_config;
 pub mod fsck;
 pub mod index;
@@ -33,4 +35,5 @@ pub mod reindex;
 pub mod repository;
 pub mod server;
 pub mod store;
+pub mod uploads;
 pub mod upstream;

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::index::{Conversion, IndexError, ManifestRecord, ManifestWrite};
+use crate::index::{Conversion, ConversionState, IndexError, ManifestRecord, ManifestWrite};
 use crate::registry::Registry;
 use crate::store::{RecordKey, StoreError};
 use amber_oci::digest::Digest;
@@ -350,39 +350,69 @@ impl Registry {
     }
 
     /// Records how an image's conversion ended (done or failed), for every replica and
-    /// for `reindex`. The first outcome recorded is kept.
+    /// for `reindex`, and returns the outcome the store keeps: the first one recorded,
+    /// except that a success replaces a failure (a later attempt that succeeded).
     pub async fn record_conversion(
         &self,
         image: &Digest,
         c: &Conversion,
-    ) -> Result<(), RecordError> {
-        self.store
-            .put_record(
-                &RecordKey::conversion(image),
-                Bytes::from(serde_json::to_vec(c).expect("json")),
-                None,
-            )
-            .await?;
-        Ok(())
+    ) -> Result<Conversion, RecordError> {
+        let key = RecordKey::conversion(image);
+        let value = Bytes::from(serde_json::to_vec(c).expect("json"));
+        let mut expected = None;
+        for _ in 0..TAG_ATTEMPTS {
+            if self
+                .store
+                .put_record(&key, value.clone(), expected.as_ref())
+                .await?
+                .is_some()
+            {
+                return Ok(c.clone());
+            }
+            let Some((v, version)) = self.store.get_record(&key).await? else {
+                expected = None;
+                continue;
+            };
+            let kept: Conversion = serde_json::from_slice(&v).map_err(|e| corrupt(&key, e))?;
+            if kept.state == ConversionState::Done || c.state != ConversionState::Done {
+                return Ok(kept);
+            }
+            expected = Some(version);
+        }
+        Err(RecordError::Corrupt {
+            key: key.as_str().to_string(),
+            why: "rewritten by other replicas on every attempt".into(),
+        })
     }
 
-    /// How an image converted, from the index or else the store (filling the index).
+    /// How an image's conversion stands: its success from the index, or its outcome
+    /// from the store (filling the index), else its work item in the shared queue (queued, or running
+    /// on some replica).
     pub async fn conversion(&self, image: &Digest) -> Result<Option<Conversion>, RecordError> {
-        if let Some(c) = self.index.conversion(image)? {
-            return Ok(Some(c));
+        let cached = self.index.conversion(image)?;
+        // A failure is looked up again: another replica may have converted the image
+        // since (a later push retries a failed conversion).
+        if cached
+            .as_ref()
+            .is_some_and(|c| c.state == ConversionState::Done)
+        {
+            return Ok(cached);
         }
         let key = RecordKey::conversion(image);
-        let Some((v, _)) = self.store.get_record(&key).await? else {
-            return Ok(None);
-        };
-        let c: Conversion = serde_json::from_slice(&v).map_err(|e| corrupt(&key, e))?;
-        self.cache_conversion(image, &c)?;
-        Ok(Some(c))
+        if let Some((v, _)) = self.store.get_record(&key).await? {
+            let c: Conversion = serde_json::from_slice(&v).map_err(|e| corrupt(&key, e))?;
+            self.cache_conversion(image, &c)?;
+            return Ok(Some(c));
+        }
+        match self.pending_conversion(image).await? {
+            Some(pending) => Ok(Some(pending)),
+            None => Ok(cached),
+        }
     }
 
     fn cache_conversion(&self, image: &Digest, c: &Conversion) -> Result<(), RecordError> {
         match &c.env_digest {
-            Some(env) if c.state == crate::index::ConversionState::Done => {
+            Some(env) if c.state == ConversionState::Done => {
                 self.index.finish_conversion(image, env, c)?;
             }
             _ => self.index.put_conversion(image, c)?,

@@ -1,8 +1,7 @@
 //! The registry's shared state: configuration, index, object store and the in-memory
-//! hash state of open upload sessions; recovery of upload sessions after a restart and
-//! expiry of abandoned ones.
+//! hash state of open upload sessions (their records are `uploads`').
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use std::time::Duration;
@@ -13,7 +12,7 @@ use crate::config::{Config, StorageKind};
 use crate::index::{Index, IndexError};
 use crate::store::fs::FsStore;
 use crate::store::{ObjectStore, StoreError};
-use amber_oci::digest::{Algorithm, Hasher};
+use amber_oci::digest::{Algorithm, Digest, Hasher};
 
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
@@ -60,6 +59,10 @@ pub struct Registry {
     pub upload_slots: Arc<tokio::sync::Semaphore>,
     /// The registries this one imports from and pulls through to.
     pub upstreams: crate::mirrors::Upstreams,
+    /// This replica's id in conversion leases; stable across restarts (`<data>/replica-id`).
+    pub replica_id: String,
+    /// Images this process is converting (or waiting for a worker to convert).
+    converting: Mutex<HashSet<Digest>>,
 }
 
 impl Registry {
@@ -76,7 +79,31 @@ impl Registry {
             store,
             sessions: Mutex::new(HashMap::new()),
             auth: None,
+            replica_id: uuid::Uuid::new_v4().to_string(),
+            converting: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// Marks `image` as converting in this process; false if it was already.
+    pub fn start_converting(&self, image: &Digest) -> bool {
+        self.converting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(image.clone())
+    }
+
+    pub fn stop_converting(&self, image: &Digest) {
+        self.converting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(image);
+    }
+
+    pub fn is_converting(&self, image: &Digest) -> bool {
+        self.converting
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(image)
     }
 
     /// The lock (and hash state) of session `id`; one request at a time per session.
@@ -90,68 +117,6 @@ impl Registry {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
-    }
-
-    /// Brings upload sessions and staged data back into agreement after a restart:
-    /// staged bytes past the acknowledged offset (an interrupted request) are cut off,
-    /// sessions whose data is gone are dropped, staged data without a session is removed.
-    /// Returns (sessions kept, sessions dropped, orphans removed).
-    pub async fn recover_uploads(&self) -> Result<(usize, usize, usize), RegistryError> {
-        let sessions = self.index.uploads()?;
-        let (mut kept, mut dropped) = (0, 0);
-        for (id, mut s) in sessions.iter().cloned() {
-            match self.store.staged_len(&id).await? {
-                None if s.offset == 0 => kept += 1,
-                None => {
-                    self.index.delete_upload(&id)?;
-                    dropped += 1;
-                }
-                Some(len) if len > s.offset => {
-                    self.store.truncate_staged(&id, s.offset).await?;
-                    kept += 1;
-                }
-                Some(len) if len < s.offset => {
-                    // Cannot happen when the disk honours fsync; keep what is really there.
-                    s.offset = len;
-                    self.index.put_upload(&id, &s)?;
-                    kept += 1;
-                }
-                Some(_) => kept += 1,
-            }
-        }
-        let known: std::collections::HashSet<&str> =
-            sessions.iter().map(|(id, _)| id.as_str()).collect();
-        let mut orphans = 0;
-        for id in self.store.list_staged().await? {
-            if !known.contains(id.as_str()) {
-                self.store.remove_staged(&id).await?;
-                orphans += 1;
-            }
-        }
-        Ok((kept, dropped, orphans))
-    }
-
-    /// Removes sessions idle for `upload_ttl_secs` or more at time `now`, with their data.
-    pub async fn expire_uploads(&self, now: u64) -> Result<usize, RegistryError> {
-        let mut n = 0;
-        for (id, s) in self.index.uploads()? {
-            if s.updated_unix.saturating_add(self.config.upload_ttl_secs) > now {
-                continue;
-            }
-            let lock = self.session_lock(&id);
-            let Ok(_guard) = lock.try_lock() else {
-                continue; // a request is using it right now: not abandoned
-            };
-            self.store.remove_staged(&id).await?;
-            self.index.delete_upload(&id)?;
-            self.forget_session(&id);
-            n += 1;
-        }
-        if n > 0 {
-            metrics::counter!(crate::metrics::UPLOAD_SESSIONS_EXPIRED).increment(n as u64);
-            tracing::info!(expired = n, "removed abandoned upload sessions");
-        }
-        Ok(n)
     }
 }
 
@@ -175,9 +140,30 @@ pub async fn open(config: Config) -> anyhow::Result<Arc<Registry>> {
         ),
         _ => None,
     };
+    let replica_id = replica_id(&config.data)?;
     let mut reg = Registry::new(config, index, store);
     reg.auth = auth;
+    reg.replica_id = replica_id;
     Ok(Arc::new(reg))
+}
+
+/// This replica's id, made once and kept in `<data>/replica-id`.
+fn replica_id(data: &std::path::Path) -> anyhow::Result<String> {
+    let path = data.join("replica-id");
+    match std::fs::read_to_string(&path) {
+        Ok(id) if uuid::Uuid::try_parse(id.trim()).is_ok() => return Ok(id.trim().to_string()),
+        Ok(_) => {
+            tracing::warn!(path = %path.display(), "replica id is not a UUID; making a new one")
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+    let id = uuid::Uuid::new_v4().to_string();
+    let tmp = data.join("replica-id.tmp");
+    std::fs::write(&tmp, &id)
+        .and_then(|()| std::fs::rename(&tmp, &path))
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(id)
 }
 
 /// Opens the configured object store.
@@ -201,94 +187,4 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Arc<dyn ObjectStore>>
             )
         }
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::index::UploadSession;
-    use crate::store::fs::FsStore;
-    use futures_util::stream;
-
-    fn registry(dir: &std::path::Path, ttl: u64) -> Registry {
-        let config = Config {
-            data: dir.to_path_buf(),
-            upload_ttl_secs: ttl,
-            ..Config::default()
-        };
-        let index = Index::open(&dir.join("index")).unwrap();
-        let store = Arc::new(FsStore::open(dir.join("store")).unwrap());
-        Registry::new(config, index, store)
-    }
-
-    async fn session(reg: &Registry, id: &str, updated: u64, data: &'static [u8], acked: u64) {
-        let s = UploadSession {
-            repo: "r".into(),
-            offset: acked,
-            created_unix: updated,
-            updated_unix: updated,
-        };
-        reg.index.put_upload(id, &s).unwrap();
-        let body = Box::pin(stream::iter([Ok(bytes::Bytes::from_static(data))]));
-        reg.store
-            .append_staged(id, 0, body, &mut |_| {})
-            .await
-            .unwrap();
-    }
-
-    #[tokio::test]
-    async fn abandoned_sessions_expire_with_their_data() {
-        let dir = tempfile::tempdir().unwrap();
-        let reg = registry(dir.path(), 3600);
-        let (old, fresh) = (
-            "00000000-0000-0000-0000-0000000000a1",
-            "00000000-0000-0000-0000-0000000000a2",
-        );
-        session(&reg, old, 1_000, b"old", 3).await;
-        session(&reg, fresh, 5_000, b"fresh", 5).await;
-        assert_eq!(
-            reg.expire_uploads(4_599).await.unwrap(),
-            0,
-            "nothing idle for an hour yet"
-        );
-        assert_eq!(reg.expire_uploads(4_600).await.unwrap(), 1);
-        assert_eq!(reg.index.upload(old).unwrap(), None);
-        assert_eq!(
-            reg.store.staged_len(old).await.unwrap(),
-            None,
-            "its data is removed"
-        );
-        assert!(reg.index.upload(fresh).unwrap().is_some());
-        assert_eq!(reg.store.staged_len(fresh).await.unwrap(), Some(5));
-    }
-
-    #[tokio::test]
-    async fn recovery_cuts_unacknowledged_bytes_and_drops_orphans() {
-        let dir = tempfile::tempdir().unwrap();
-        let reg = registry(dir.path(), 3600);
-        let (a, b) = (
-            "00000000-0000-0000-0000-0000000000b1",
-            "00000000-0000-0000-0000-0000000000b2",
-        );
-        session(&reg, a, 1, b"acked+unacked", 5).await;
-        // Staged data without a session: a crash between staging and indexing.
-        let body = Box::pin(stream::iter([Ok(bytes::Bytes::from_static(b"orphan"))]));
-        reg.store
-            .append_staged(b, 0, body, &mut |_| {})
-            .await
-            .unwrap();
-        // A session whose data is gone (published just before a crash).
-        let gone = UploadSession {
-            repo: "r".into(),
-            offset: 9,
-            created_unix: 1,
-            updated_unix: 1,
-        };
-        reg.index
-            .put_upload("00000000-0000-0000-0000-0000000000b3", &gone)
-            .unwrap();
-        assert_eq!(reg.recover_uploads().await.unwrap(), (1, 1, 1));
-        assert_eq!(reg.store.staged_len(a).await.unwrap(), Some(5));
-        assert_eq!(reg.store.staged_len(b).await.unwrap(), None);
-    }
 }

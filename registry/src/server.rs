@@ -25,10 +25,7 @@ pub async fn serve(reg: Arc<Registry>, listener: TcpListener) -> anyhow::Result<
             tracing::info!(removed, "removed temporary objects of interrupted writes");
         }
     }
-    let resumed = crate::convert::resume(&reg).context("resuming conversions")?;
-    if resumed > 0 {
-        tracing::info!(resumed, "resumed unfinished conversions");
-    }
+    crate::convert_queue::start(&reg).context("starting the conversion queue")?;
     let expiry = reg.clone();
     tokio::spawn(async move {
         let every = Duration::from_secs((expiry.config.upload_ttl_secs / 4).clamp(1, 600));

@@ -163,6 +163,17 @@ impl IntoResponse for ApiError {
     }
 }
 
+impl From<crate::uploads::UploadError> for ApiError {
+    fn from(e: crate::uploads::UploadError) -> Self {
+        use crate::uploads::UploadError;
+        match e {
+            UploadError::Store(e) => e.into(),
+            e @ UploadError::Moved { .. } => ApiError::upload_invalid(e.to_string()),
+            e @ UploadError::Corrupt { .. } => ApiError::internal("upload session", e),
+        }
+    }
+}
+
 impl From<crate::records::RecordError> for ApiError {
     fn from(e: crate::records::RecordError) -> Self {
         use crate::records::RecordError;

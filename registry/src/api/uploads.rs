@@ -2,9 +2,10 @@
 //! PATCH (streamed, with or without `Content-Range`), PUT `?digest=` (verify, publish),
 //! GET (status) and DELETE (cancel).
 //!
-//! Invariant: a session's acknowledged offset (in the index) only moves forward after
-//! the staged bytes up to it are durable; a request that fails mid-stream leaves the
-//! staged data cut back to the acknowledged offset.
+//! Invariant: a session's acknowledged offset (its store record, `crate::uploads`) only
+//! moves forward after the staged bytes up to it are durable; a request that fails
+//! mid-stream leaves the staged data cut back to the acknowledged offset. Any replica
+//! can serve any request of a session.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -17,13 +18,13 @@ use futures_util::StreamExt;
 use super::{header_str, param, query, request_stream, AppState};
 use crate::api::error::{ApiError, ApiResult};
 use crate::clock::now_unix;
-use crate::index::UploadSession;
 use crate::registry::HashState;
-use crate::store::{ByteStream, ObjectKey, StoreError};
+use crate::store::{ByteStream, ObjectKey, StoreError, Version};
+use crate::uploads::{SessionId, UploadSession};
 use amber_oci::digest::{Algorithm, Digest};
 use amber_oci::names::{parse_content_range, RepoName};
 
-fn location(name: &RepoName, id: &str) -> String {
+fn location(name: &RepoName, id: &SessionId) -> String {
     format!("/v2/{name}/blobs/uploads/{id}")
 }
 
@@ -32,7 +33,7 @@ fn range_value(offset: u64) -> String {
 }
 
 /// 202 with the session's location and acknowledged range.
-fn accepted(name: &RepoName, id: &str, offset: u64, status: StatusCode) -> Response {
+fn accepted(name: &RepoName, id: &SessionId, offset: u64, status: StatusCode) -> Response {
     (
         status,
         [
@@ -118,7 +119,7 @@ pub async fn start(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Re
     } else {
         digest_param(&q)?
     };
-    let id = uuid::Uuid::new_v4().to_string();
+    let id = SessionId::new();
     let now = now_unix();
     let mut session = UploadSession {
         repo: name.to_string(),
@@ -126,27 +127,35 @@ pub async fn start(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Re
         created_unix: now,
         updated_unix: now,
     };
-    reg.index.put_upload(&id, &session)?;
+    let mut version = reg.put_upload_session(&id, &session, None).await?;
     match digest {
         None => Ok(accepted(&name, &id, 0, StatusCode::ACCEPTED)),
         Some(digest) => {
-            let lock = reg.session_lock(&id);
+            let lock = reg.session_lock(&id.to_string());
             let mut state = lock.lock().await;
-            append(reg, &id, &mut session, &mut state, req).await?;
+            append(reg, &id, &mut session, &mut version, &mut state, req).await?;
             complete(reg, &name, &id, &session, &mut state, digest).await
         }
     }
 }
 
-fn load(reg: &AppState, name: &RepoName, id: &str) -> ApiResult<UploadSession> {
-    match reg.index.upload(id)? {
-        Some(s) if s.repo == name.as_str() => Ok(s),
+/// Session `id` of repository `name` and its record's version.
+async fn load(
+    reg: &AppState,
+    name: &RepoName,
+    id: &str,
+) -> ApiResult<(SessionId, UploadSession, Version)> {
+    let Some(sid) = SessionId::parse(id) else {
+        return Err(ApiError::upload_unknown(id));
+    };
+    match reg.upload_session(&sid).await? {
+        Some((s, v)) if s.repo == name.as_str() => Ok((sid, s, v)),
         _ => Err(ApiError::upload_unknown(id)),
     }
 }
 
 pub async fn status(reg: &AppState, name: RepoName, id: String) -> ApiResult<Response> {
-    let s = load(reg, &name, &id)?;
+    let (id, s, _) = load(reg, &name, &id).await?;
     Ok(accepted(&name, &id, s.offset, StatusCode::NO_CONTENT))
 }
 
@@ -156,12 +165,12 @@ pub async fn patch(
     id: String,
     req: Request,
 ) -> ApiResult<Response> {
-    load(reg, &name, &id)?;
+    load(reg, &name, &id).await?;
     let lock = reg.session_lock(&id);
     let mut state = lock.lock().await;
     // Re-read under the lock: another request may have moved or finished the session.
-    let mut s = load(reg, &name, &id)?;
-    append(reg, &id, &mut s, &mut state, req).await?;
+    let (id, mut s, mut version) = load(reg, &name, &id).await?;
+    append(reg, &id, &mut s, &mut version, &mut state, req).await?;
     Ok(accepted(&name, &id, s.offset, StatusCode::ACCEPTED))
 }
 
@@ -176,28 +185,21 @@ pub async fn finish(
             "completing an upload needs the blob's digest: PUT …?digest=<algorithm>:<hex>",
         )
     })?;
-    load(reg, &name, &id)?;
+    load(reg, &name, &id).await?;
     let lock = reg.session_lock(&id);
     let mut state = lock.lock().await;
-    let mut s = load(reg, &name, &id)?;
-    append(reg, &id, &mut s, &mut state, req).await?;
+    let (id, mut s, mut version) = load(reg, &name, &id).await?;
+    append(reg, &id, &mut s, &mut version, &mut state, req).await?;
     complete(reg, &name, &id, &s, &mut state, digest).await
 }
 
 pub async fn cancel(reg: &AppState, name: RepoName, id: String) -> ApiResult<Response> {
-    load(reg, &name, &id)?;
+    load(reg, &name, &id).await?;
     let lock = reg.session_lock(&id);
     let _state = lock.lock().await;
-    load(reg, &name, &id)?;
-    drop_session(reg, &id).await?;
+    let (id, _, _) = load(reg, &name, &id).await?;
+    reg.drop_upload_session(&id).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
-}
-
-async fn drop_session(reg: &AppState, id: &str) -> ApiResult<()> {
-    reg.store.remove_staged(id).await?;
-    reg.index.delete_upload(id)?;
-    reg.forget_session(id);
-    Ok(())
 }
 
 /// At most this much of a refused request's body is read and discarded so that the
@@ -214,8 +216,9 @@ const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(30);
 /// that says what to do.
 async fn append(
     reg: &AppState,
-    id: &str,
+    id: &SessionId,
     s: &mut UploadSession,
+    version: &mut Version,
     state: &mut Option<HashState>,
     req: Request,
 ) -> ApiResult<()> {
@@ -228,7 +231,7 @@ async fn append(
             .expect("request body lock poisoned")
             .poll_next_unpin(cx)
     }));
-    let res = append_stream(reg, id, s, state, &headers, stream).await;
+    let res = append_stream(reg, id, s, version, state, &headers, stream).await;
     if res.is_err() {
         drain(&body).await;
     }
@@ -257,13 +260,16 @@ async fn drain(body: &std::sync::Mutex<ByteStream>) {
 
 async fn append_stream(
     reg: &AppState,
-    id: &str,
+    sid: &SessionId,
     s: &mut UploadSession,
+    version: &mut Version,
     state: &mut Option<HashState>,
     headers: &HeaderMap,
     body: ByteStream,
 ) -> ApiResult<()> {
     let name = RepoName::parse(&s.repo)?;
+    let staged_id = sid.to_string();
+    let id = staged_id.as_str();
     let declared_len: Option<u64> =
         header_str(headers, header::CONTENT_LENGTH).and_then(|v| v.parse().ok());
     let mut expect_len = None;
@@ -283,7 +289,7 @@ async fn append_stream(
                 ),
             )
             .with_header(header::RANGE, &range_value(s.offset))
-            .with_header(header::LOCATION, &location(&name, id)));
+            .with_header(header::LOCATION, &location(&name, sid)));
         }
         let n = end - start + 1;
         if declared_len.is_some_and(|cl| cl != n) {
@@ -317,7 +323,7 @@ async fn append_stream(
             *state = None;
         }
         None if s.offset > 0 => {
-            drop_session(reg, id).await?;
+            reg.drop_upload_session(sid).await?;
             return Err(ApiError::upload_unknown(id));
         }
         _ => {}
@@ -370,9 +376,23 @@ async fn append_stream(
             "Content-Range announced {n} bytes but the body had {written}"
         )));
     }
-    s.offset += written;
-    s.updated_unix = now_unix();
-    reg.index.put_upload(id, s)?;
+    if written > 0 {
+        let mut moved = s.clone();
+        moved.offset += written;
+        moved.updated_unix = now_unix();
+        match reg.put_upload_session(sid, &moved, Some(version)).await {
+            Ok(v) => {
+                *version = v;
+                *s = moved;
+            }
+            Err(e) => {
+                // Another replica moved the session meanwhile: this request's bytes
+                // are not acknowledged (and may be cut off by its next append).
+                *state = None;
+                return Err(e.into());
+            }
+        }
+    }
     *state = hs;
     Ok(())
 }
@@ -407,11 +427,13 @@ fn limited(body: ByteStream, room: u64, exceeded: &Arc<AtomicBool>) -> ByteStrea
 async fn complete(
     reg: &AppState,
     name: &RepoName,
-    id: &str,
+    sid: &SessionId,
     s: &UploadSession,
     state: &mut Option<HashState>,
     digest: Digest,
 ) -> ApiResult<Response> {
+    let staged_id = sid.to_string();
+    let id = staged_id.as_str();
     let actual = match state.take() {
         Some(h) if h.hashed == s.offset && digest.algorithm() == Algorithm::Sha256 => {
             h.hasher.finish()
@@ -426,7 +448,7 @@ async fn complete(
         }
     };
     if actual != digest {
-        drop_session(reg, id).await?;
+        reg.drop_upload_session(sid).await?;
         return Err(ApiError::digest_invalid(format!(
             "the uploaded {} bytes have digest {actual}, not {digest}; the upload was discarded",
             s.offset
@@ -436,7 +458,6 @@ async fn complete(
         .publish_staged(id, &ObjectKey::blob(&digest))
         .await?;
     reg.link_blob(name, &digest, s.offset).await?;
-    reg.index.delete_upload(id)?;
-    reg.forget_session(id);
+    reg.finish_upload_session(sid).await?;
     Ok(created(name, &digest))
 }

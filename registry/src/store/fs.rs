@@ -481,6 +481,24 @@ impl ObjectStore for FsStore {
         Ok(Some(version))
     }
 
+    async fn delete_record(&self, key: &RecordKey) -> Result<(), StoreError> {
+        let _guard = self.records.lock().await;
+        let path = self.root.join(key.as_str());
+        let what = key.as_str().to_string();
+        tokio::task::spawn_blocking(move || -> io::Result<()> {
+            match std::fs::remove_file(&path) {
+                Ok(()) => {
+                    std::fs::File::open(path.parent().expect("records have a parent"))?.sync_all()
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(e),
+            }
+        })
+        .await
+        .expect("record task")
+        .map_err(|e| StoreError::io(what, e))
+    }
+
     async fn list_records(&self, prefix: &str) -> Result<Vec<RecordKey>, StoreError> {
         if !prefix.starts_with(RecordKey::ALL) || prefix.contains("..") {
             return Ok(Vec::new());

@@ -15,6 +15,8 @@
 //!   truth that the RocksDB index caches, so every replica over one bucket sees the same
 //!   repositories and `reindex` can rebuild an index from the store alone. A record is
 //!   written with compare-and-swap on its [`Version`]: create-only, or replace-if-unchanged.
+//!   Records of work in progress (upload sessions, conversion work items) are removed
+//!   when the work ends; every other record is never removed.
 
 pub mod fs;
 pub mod s3;
@@ -124,10 +126,27 @@ impl RecordKey {
         ))
     }
 
-    /// How image `image` converted.
+    /// How image `image` converted (its outcome: done or failed).
     pub fn conversion(image: &Digest) -> RecordKey {
         RecordKey(format!("_records/conversions/{image}"))
     }
+
+    /// The conversion of `image` waiting for or held by a replica (a work item with a
+    /// lease; removed once the outcome is recorded).
+    pub fn conversion_work(image: &Digest) -> RecordKey {
+        RecordKey(format!("{}{image}", Self::CONVERSION_WORK))
+    }
+
+    /// The prefix of every conversion work item.
+    pub const CONVERSION_WORK: &'static str = "_records/work/conversions/";
+
+    /// Upload session `id` (`id` is a UUID the registry made).
+    pub fn upload(id: &uuid::Uuid) -> RecordKey {
+        RecordKey(format!("{}{id}", Self::UPLOADS))
+    }
+
+    /// The prefix of every upload session.
+    pub const UPLOADS: &'static str = "_records/uploads/";
 
     /// The prefix of every record.
     pub const ALL: &'static str = "_records/";
@@ -253,6 +272,11 @@ pub trait ObjectStore: Send + Sync + 'static {
         value: Bytes,
         expected: Option<&Version>,
     ) -> Result<Option<Version>, StoreError>;
+
+    /// Removes a record; removing a missing one is not an error. Only for records that
+    /// stand for work in progress (upload sessions, conversion work items), whose end
+    /// is recorded elsewhere first.
+    async fn delete_record(&self, key: &RecordKey) -> Result<(), StoreError>;
 
     /// Every record whose key starts with `prefix` (itself starting with `_records/`).
     async fn list_records(&self, prefix: &str) -> Result<Vec<RecordKey>, StoreError>;

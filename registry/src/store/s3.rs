@@ -801,6 +801,11 @@ impl ObjectStore for S3Store {
         }
     }
 
+    async fn delete_record(&self, key: &RecordKey) -> Result<(), StoreError> {
+        self.delete(&format!("{}{}", self.prefix, key.as_str()))
+            .await
+    }
+
     async fn list_records(&self, prefix: &str) -> Result<Vec<RecordKey>, StoreError> {
         if !prefix.starts_with(RecordKey::ALL) {
             return Ok(Vec::new());

@@ -78,6 +78,32 @@ async fn records_are_compare_and_swap(store: &dyn ObjectStore) {
     assert!(listed.contains(&key));
     // Records are not published objects.
     assert!(store.list("_records/").await.unwrap().is_empty());
+
+    // A work record can be removed, and then created again; removing twice is fine.
+    let work = RecordKey::upload(&uuid::Uuid::new_v4());
+    store
+        .put_record(&work, Bytes::from_static(b"session"), None)
+        .await
+        .unwrap()
+        .expect("created");
+    assert_eq!(
+        store.list_records(RecordKey::UPLOADS).await.unwrap(),
+        vec![work.clone()]
+    );
+    store.delete_record(&work).await.unwrap();
+    store.delete_record(&work).await.unwrap();
+    assert!(store.get_record(&work).await.unwrap().is_none());
+    assert!(store
+        .list_records(RecordKey::UPLOADS)
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(store
+        .put_record(&work, Bytes::from_static(b"again"), None)
+        .await
+        .unwrap()
+        .is_some());
+    store.delete_record(&work).await.unwrap();
 }
 
 async fn put_is_create_once(store: &dyn ObjectStore) {

@@ -1,0 +1,369 @@
+//! The conversion queue, shared by every replica over one store. Each image waiting for
+//! or undergoing conversion is a work item record (`_records/work/conversions/<image>`);
+//! a replica claims one by writing its id and a lease expiry into it with
+//! compare-and-swap, renews the lease while it converts, records the outcome
+//! (`_records/conversions/<image>`) and then removes the item. Every replica sweeps the
+//! work items every third of a lease, so a conversion queued or started by a replica that
+//! died is taken over by another one once its lease runs out, and a replica with free
+//! workers takes queued items another replica has not reached yet.
+//!
+//! Invariants kept here:
+//! - an item is created before the manifest push that queued it is acknowledged, so an
+//!   acknowledged image is converted even if its replica dies at once;
+//! - an outcome is recorded before its item is removed, so an item without a success
+//!   recorded is unfinished work (or a retry of a failure), and an item with one is a
+//!   leftover to remove;
+//! - one process runs at most one conversion of an image at a time (`Registry::converting`);
+//!   two replicas may convert the same image only when a lease expired under a live
+//!   replica (a pause longer than the lease), which is harmless: conversion is
+//!   deterministic and its outputs are content-addressed, and the first outcome recorded
+//!   is kept (a success replaces a failure);
+//! - a replica's id is stable across restarts (`<data>/replica-id`), so a replica that
+//!   restarts takes its own unfinished conversions back without waiting for their leases.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio::runtime::Handle;
+
+use crate::clock::now_unix;
+use crate::convert::{convert_image, CONVERSIONS_FAILED, CONVERSIONS_STARTED};
+use crate::index::{Conversion, ConversionState};
+use crate::records::RecordError;
+use crate::registry::Registry;
+use crate::store::{RecordKey, Version};
+use amber_oci::digest::Digest;
+use amber_oci::names::RepoName;
+
+/// Conversions taken over from another replica whose lease ran out.
+pub const CONVERSIONS_TAKEN_OVER: &str = "amber_conversions_taken_over_total";
+
+/// A queued or running conversion, as stored in its work item record.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WorkItem {
+    /// The repository the image was pushed to (its layers are linked there).
+    pub repo: String,
+    pub queued_unix: u64,
+    /// The replica converting it, while one is.
+    #[serde(default)]
+    pub owner: Option<String>,
+    /// Until when `owner`'s claim holds, unless renewed (unix seconds).
+    #[serde(default)]
+    pub lease_until_unix: u64,
+}
+
+impl WorkItem {
+    /// Whether replica `me` may claim the item at `now`: nobody holds it, its holder's
+    /// lease ran out, or `me` held it before a restart.
+    fn claimable(&self, me: &str, now: u64) -> bool {
+        match &self.owner {
+            None => true,
+            Some(owner) => owner == me || self.lease_until_unix <= now,
+        }
+    }
+
+    /// Whether a replica holds the item at `now`.
+    fn running(&self, now: u64) -> bool {
+        self.owner.is_some() && self.lease_until_unix > now
+    }
+}
+
+fn corrupt(key: &RecordKey, e: impl std::fmt::Display) -> RecordError {
+    RecordError::Corrupt {
+        key: key.as_str().to_string(),
+        why: e.to_string(),
+    }
+}
+
+impl Registry {
+    /// Image `image`'s work item and its version, if it has one.
+    pub async fn conversion_work(
+        &self,
+        image: &Digest,
+    ) -> Result<Option<(WorkItem, Version)>, RecordError> {
+        let key = RecordKey::conversion_work(image);
+        match self.store.get_record(&key).await? {
+            None => Ok(None),
+            Some((v, version)) => Ok(Some((
+                serde_json::from_slice(&v).map_err(|e| corrupt(&key, e))?,
+                version,
+            ))),
+        }
+    }
+
+    async fn put_conversion_work(
+        &self,
+        image: &Digest,
+        item: &WorkItem,
+        expected: Option<&Version>,
+    ) -> Result<Option<Version>, RecordError> {
+        Ok(self
+            .store
+            .put_record(
+                &RecordKey::conversion_work(image),
+                Bytes::from(serde_json::to_vec(item).expect("json")),
+                expected,
+            )
+            .await?)
+    }
+
+    /// The state of a conversion that has no outcome yet, from its work item.
+    pub async fn pending_conversion(
+        &self,
+        image: &Digest,
+    ) -> Result<Option<Conversion>, RecordError> {
+        Ok(self
+            .conversion_work(image)
+            .await?
+            .map(|(item, _)| Conversion {
+                state: if item.running(now_unix()) {
+                    ConversionState::Running
+                } else {
+                    ConversionState::Queued
+                },
+                repo: item.repo,
+                error: None,
+                env_digest: None,
+                updated_unix: item.queued_unix,
+            }))
+    }
+}
+
+/// Queues `image` (pushed to `repo`) unless it has an env digest or is queued already,
+/// and starts converting it here when a worker is free. Returns once the work item is
+/// durable in the store.
+pub async fn enqueue(reg: &Arc<Registry>, repo: &RepoName, image: &Digest) -> anyhow::Result<()> {
+    if reg.index.image_env(image)?.is_some() {
+        return Ok(());
+    }
+    if let Some(c) = reg.conversion(image).await? {
+        if c.state == ConversionState::Done {
+            return Ok(());
+        }
+    }
+    let now = now_unix();
+    let item = WorkItem {
+        repo: repo.to_string(),
+        queued_unix: now,
+        owner: None,
+        lease_until_unix: 0,
+    };
+    // Create-only: an item that exists already stands for the same work.
+    reg.put_conversion_work(image, &item, None).await?;
+    let queued = Conversion {
+        repo: repo.to_string(),
+        state: ConversionState::Queued,
+        error: None,
+        env_digest: None,
+        updated_unix: now,
+    };
+    reg.index.put_conversion(image, &queued)?;
+    run_here(reg, image.clone());
+    Ok(())
+}
+
+/// Starts the sweeper: at once (taking back this replica's own unfinished conversions and
+/// queueing, from the index, those of a version that kept its queue there), then every
+/// third of a lease.
+pub fn start(reg: &Arc<Registry>) -> anyhow::Result<()> {
+    let legacy: Vec<(Digest, String)> = reg
+        .index
+        .conversions()?
+        .into_iter()
+        .filter(|(_, c)| matches!(c.state, ConversionState::Queued | ConversionState::Running))
+        .map(|(d, c)| (d, c.repo))
+        .collect();
+    let reg = reg.clone();
+    tokio::spawn(async move {
+        for (image, repo) in legacy {
+            if reg.conversion_work(&image).await.ok().flatten().is_some() {
+                continue;
+            }
+            if let Ok(repo) = RepoName::parse(&repo) {
+                if let Err(e) = enqueue(&reg, &repo, &image).await {
+                    tracing::warn!(%image, error = %format!("{e:#}"), "re-queueing a conversion");
+                }
+            }
+        }
+        let every = Duration::from_secs((reg.config.conversion_lease_secs / 3).max(1));
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            match sweep(&reg).await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(started = n, "conversions taken from the shared queue"),
+                Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), "sweeping the conversion queue")
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+/// One pass over the shared queue: removes items whose outcome is recorded, starts here
+/// every item nobody holds. Returns how many it started.
+pub async fn sweep(reg: &Arc<Registry>) -> anyhow::Result<usize> {
+    if reg.config.convert_workers == 0 {
+        return Ok(0);
+    }
+    let mut started = 0;
+    let me = reg.replica_id.as_str();
+    for key in reg.store.list_records(RecordKey::CONVERSION_WORK).await? {
+        let Some(image) = key
+            .as_str()
+            .strip_prefix(RecordKey::CONVERSION_WORK)
+            .and_then(|d| d.parse::<Digest>().ok())
+        else {
+            continue;
+        };
+        if reg.is_converting(&image) {
+            continue;
+        }
+        if done(reg, &image).await? {
+            // Its converter died between recording the outcome and removing the item.
+            reg.store.delete_record(&key).await?;
+            continue;
+        }
+        let Some((item, _)) = reg.conversion_work(&image).await? else {
+            continue;
+        };
+        if item.claimable(me, now_unix()) && run_here(reg, image) {
+            started += 1;
+        }
+    }
+    Ok(started)
+}
+
+/// Whether `image`'s conversion succeeded (here or on another replica; cached in the
+/// index). A failure is not final: pushing the image again queues another attempt.
+async fn done(reg: &Registry, image: &Digest) -> Result<bool, RecordError> {
+    Ok(reg
+        .conversion(image)
+        .await?
+        .is_some_and(|c| c.state == ConversionState::Done))
+}
+
+/// Starts converting `image` in this process unless it is already; false if it was.
+fn run_here(reg: &Arc<Registry>, image: Digest) -> bool {
+    if reg.config.convert_workers == 0 || !reg.start_converting(&image) {
+        return false;
+    }
+    let reg = reg.clone();
+    tokio::spawn(async move {
+        if let Err(e) = claim_and_convert(&reg, &image).await {
+            tracing::warn!(%image, error = %format!("{e:#}"), "conversion could not be run");
+        }
+        reg.stop_converting(&image);
+    });
+    true
+}
+
+/// Waits for a worker, claims the work item and converts the image, renewing the lease
+/// meanwhile; then records the outcome and removes the item.
+async fn claim_and_convert(reg: &Arc<Registry>, image: &Digest) -> anyhow::Result<()> {
+    let _permit = reg.convert_slots.clone().acquire_owned().await?;
+    let me = reg.replica_id.clone();
+    let lease = reg.config.conversion_lease_secs;
+    let (item, version) = loop {
+        let Some((mut item, version)) = reg.conversion_work(image).await? else {
+            // Finished (here or elsewhere) while this waited for a worker.
+            done(reg, image).await?;
+            return Ok(());
+        };
+        let now = now_unix();
+        if !item.claimable(&me, now) {
+            return Ok(()); // another replica holds it; the sweeper watches its lease
+        }
+        let taken_over = item.owner.as_ref().is_some_and(|o| *o != me);
+        item.owner = Some(me.clone());
+        item.lease_until_unix = now + lease;
+        if let Some(v) = reg
+            .put_conversion_work(image, &item, Some(&version))
+            .await?
+        {
+            if taken_over {
+                metrics::counter!(CONVERSIONS_TAKEN_OVER).increment(1);
+                tracing::info!(%image, "conversion taken over from a replica whose lease ran out");
+            }
+            break (item, v);
+        }
+        // Someone else wrote the item meanwhile: look again.
+    };
+    if done(reg, image).await? {
+        reg.store
+            .delete_record(&RecordKey::conversion_work(image))
+            .await?;
+        return Ok(());
+    }
+    let mut c = Conversion {
+        repo: item.repo.clone(),
+        state: ConversionState::Running,
+        error: None,
+        env_digest: None,
+        updated_unix: now_unix(),
+    };
+    reg.index.put_conversion(image, &c)?;
+    metrics::counter!(CONVERSIONS_STARTED).increment(1);
+    tracing::info!(%image, repo = %c.repo, "conversion started");
+
+    let renewal = tokio::spawn(renew(reg.clone(), image.clone(), item, version));
+    let handle = Handle::current();
+    let job_reg = reg.clone();
+    let job_image = image.clone();
+    let repo = c.repo.clone();
+    let result =
+        tokio::task::spawn_blocking(move || convert_image(&job_reg, &handle, &repo, &job_image))
+            .await
+            .unwrap_or_else(|e| Err(anyhow::anyhow!("conversion task panicked: {e}")));
+    renewal.abort();
+
+    c.updated_unix = now_unix();
+    match result {
+        Ok(env) => {
+            c.state = ConversionState::Done;
+            c.env_digest = Some(env);
+        }
+        Err(e) => {
+            metrics::counter!(CONVERSIONS_FAILED).increment(1);
+            tracing::warn!(%image, error = %format!("{e:#}"), "conversion failed");
+            c.state = ConversionState::Failed;
+            c.error = Some(format!("{e:#}"));
+        }
+    }
+    let kept = reg.record_conversion(image, &c).await?;
+    reg.store
+        .delete_record(&RecordKey::conversion_work(image))
+        .await?;
+    match (&kept.state, &kept.env_digest) {
+        (ConversionState::Done, Some(env)) => {
+            reg.index.finish_conversion(image, env, &kept)?;
+            tracing::info!(%image, %env, "conversion done");
+        }
+        _ => reg.index.put_conversion(image, &kept)?,
+    }
+    Ok(())
+}
+
+/// Renews this replica's lease on `image`'s work item every third of a lease, until
+/// aborted or until the item is no longer this replica's.
+async fn renew(reg: Arc<Registry>, image: Digest, mut item: WorkItem, mut version: Version) {
+    let lease = reg.config.conversion_lease_secs;
+    let mut tick = tokio::time::interval(Duration::from_secs((lease / 3).max(1)));
+    tick.tick().await; // the first tick is immediate
+    loop {
+        tick.tick().await;
+        item.lease_until_unix = now_unix() + lease;
+        match reg.put_conversion_work(&image, &item, Some(&version)).await {
+            Ok(Some(v)) => version = v,
+            Ok(None) => {
+                tracing::warn!(%image, "lost the lease on a running conversion (another replica took it over)");
+                return;
+            }
+            // A store that does not answer for a while: try again next tick.
+            Err(e) => tracing::warn!(%image, error = %e, "renewing a conversion lease"),
+        }
+    }
+}
