@@ -2,7 +2,8 @@
 //! implements conditional writes): a push through one is pullable through the other at
 //! once; eight clients moving one tag through both end with one winner both report; a
 //! replica killed with SIGKILL mid-push loses nothing acknowledged; `reindex` rebuilds an
-//! index that answers every query as the old one did.
+//! index that answers every query as the old one did; a replica killed in the middle of a
+//! conversion and of an upload leaves both for the other replica to finish.
 
 mod common;
 
@@ -12,7 +13,12 @@ use serde_json::Value;
 const OCI: &str = "application/vnd.oci.image.manifest.v1+json";
 
 fn replica(data: &std::path::Path, prefix: &str) -> Server {
-    let args = s3_args("moto", prefix);
+    replica_with(data, prefix, &[])
+}
+
+fn replica_with(data: &std::path::Path, prefix: &str, extra: &[&str]) -> Server {
+    let mut args = s3_args("moto", prefix);
+    args.extend(extra.iter().map(|a| a.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     Server::start_in(data, &args)
 }
@@ -200,6 +206,150 @@ async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
         );
     }
     drop(a);
+}
+
+/// `n` bytes that no compressor can shrink (splitmix64), so converting them takes a while.
+fn incompressible(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed;
+    let mut out = Vec::with_capacity(n + 8);
+    while out.len() < n {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    out.truncate(n);
+    out
+}
+
+async fn resolve(s: &Server, repo: &str, reference: &str) -> Value {
+    get_json(s, &format!("/amber/v1/resolve/{repo}/{reference}")).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_killed_mid_conversion_and_mid_upload_leaves_both_to_the_other() {
+    let prefix = format!("takeover-{}/", uuid::Uuid::new_v4());
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    // Short leases, so the takeover happens within seconds.
+    let lease = ["--conversion-lease-secs", "2"];
+    let mut a = replica_with(da.path(), &prefix, &lease);
+    let b = replica_with(db.path(), &prefix, &lease);
+
+    // An upload started through A, its first chunk acknowledged by A.
+    let r = client()
+        .post(a.url("/v2/team/big/blobs/uploads/"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let location = r.headers()["location"].to_str().unwrap().to_string();
+    let blob = incompressible(3 << 20, 7);
+    let half = blob.len() / 2;
+    let r = client()
+        .patch(a.url(&location))
+        .header("Content-Range", format!("0-{}", half - 1))
+        .body(blob[..half].to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    assert_eq!(r.headers()["range"], format!("0-{}", half - 1).as_str());
+
+    // An image whose conversion takes seconds (96 MiB of file data no compressor
+    // shrinks, as an uncompressed layer), pushed through A.
+    let layer = Layer::new()
+        .file("data/big.bin", 0o644, &incompressible(96 << 20, 11))
+        .tar();
+    let config =
+        r#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#;
+    let cd = push_blob(&a, "team/big", config.as_bytes()).await;
+    let ld = push_blob(&a, "team/big", &layer).await;
+    let manifest = format!(
+        r#"{{"schemaVersion":2,"mediaType":"{OCI}","config":{{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"{cd}","size":{}}},"layers":[{{"mediaType":"application/vnd.oci.image.layer.v1.tar","digest":"{ld}","size":{}}}]}}"#,
+        config.len(),
+        layer.len()
+    );
+    assert_eq!(
+        put_manifest(&a, "team/big", "v1", OCI, &manifest)
+            .await
+            .status(),
+        201
+    );
+
+    // SIGKILL of A as soon as it reports the conversion running.
+    let mut seen = Vec::new();
+    loop {
+        let state = resolve(&a, "team/big", "v1").await["state"].clone();
+        if seen.last() != Some(&state) {
+            seen.push(state.clone());
+        }
+        if state == "running" {
+            break;
+        }
+        assert!(
+            state == "queued",
+            "conversion went {seen:?} before A was killed"
+        );
+        tokio::task::yield_now().await;
+    }
+    a.kill9();
+    let v = resolve(&b, "team/big", "v1").await;
+    assert_ne!(v["state"], "done", "A was killed before it finished: {v}");
+
+    // B finishes the upload from the offset A acknowledged.
+    let r = client().get(b.url(&location)).send().await.unwrap();
+    assert_eq!(r.status(), 204);
+    assert_eq!(r.headers()["range"], format!("0-{}", half - 1).as_str());
+    let digest = sha256(&blob);
+    let r = client()
+        .patch(b.url(&location))
+        .header("Content-Range", format!("{half}-{}", blob.len() - 1))
+        .body(blob[half..].to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let sep = if location.contains('?') { '&' } else { '?' };
+    let r = client()
+        .put(b.url(&format!("{location}{sep}digest={digest}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
+    assert_eq!(
+        get(&b, &format!("/v2/team/big/blobs/{digest}"), "*/*")
+            .await
+            .2,
+        blob
+    );
+
+    // B takes the conversion over once A's lease runs out, and finishes it.
+    let v = settled(&b, "team/big", "v1").await;
+    assert_eq!(v["state"], "done", "{v}");
+    let env = v["env_digest"].as_str().unwrap().to_string();
+    assert_eq!(
+        metric(
+            &metrics_text(&b).await,
+            "amber_conversions_taken_over_total"
+        ),
+        1
+    );
+    let (status, _, _) = get(&b, &format!("/amber/v1/envs/{env}"), "*/*").await;
+    assert_eq!(status, 200);
+
+    // A, restarted, reports the env B made and serves the blob B completed.
+    let a = replica_with(da.path(), &prefix, &lease);
+    assert_eq!(
+        resolve(&a, "team/big", "v1").await["env_digest"],
+        env.as_str()
+    );
+    assert_eq!(
+        get(&a, &format!("/v2/team/big/blobs/{digest}"), "*/*")
+            .await
+            .2,
+        blob
+    );
 }
 
 /// A channel as a request body stream.
