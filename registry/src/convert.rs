@@ -27,7 +27,6 @@ use crate::index::{ManifestRecord, ManifestWrite};
 use crate::registry::Registry;
 use crate::store::{ObjectKey, ObjectStore};
 use amber_oci::digest::{Algorithm, Digest};
-use amber_oci::manifest::{ManifestKind, ParsedManifest};
 use amber_oci::names::RepoName;
 
 pub const BLOCK_MANIFEST_TYPE: &str = amber_oci::media::BLOCK_MANIFEST_ARTIFACT;
@@ -79,43 +78,6 @@ pub const CHUNK_BYTES_WRITTEN: &str = "amber_chunk_bytes_written_total";
 pub const CONVERT_LAYERS_READ: &str = "amber_conversion_layers_read_total";
 /// Layers conversions did not read because a kept layer-chain state covered them.
 pub const CONVERT_LAYERS_REUSED: &str = "amber_conversion_layers_reused_total";
-
-/// Image config media types whose manifests are container images (others are artifacts).
-fn is_image_config(media_type: &str) -> bool {
-    matches!(
-        media_type,
-        amber_oci::media::OCI_CONFIG | amber_oci::media::DOCKER_CONFIG
-    )
-}
-
-/// Decides what a pushed (already validated) manifest means for conversion; queues the
-/// image if needed (in the shared queue, `convert_queue`, before the push is acknowledged).
-pub async fn on_manifest_pushed(
-    reg: &Arc<Registry>,
-    repo: &RepoName,
-    digest: &Digest,
-    parsed: &ParsedManifest,
-) {
-    let target = match parsed.kind {
-        ManifestKind::Image => {
-            let config_ok = parsed
-                .blobs
-                .first()
-                .is_some_and(|c| is_image_config(&c.media_type));
-            if !config_ok || parsed.subject.is_some() {
-                return; // an artifact, not a container image
-            }
-            digest.clone()
-        }
-        ManifestKind::Index => match parsed.linux_amd64() {
-            Some(d) => d.digest.clone(),
-            None => return,
-        },
-    };
-    if let Err(e) = crate::convert_queue::enqueue(reg, repo, &target).await {
-        tracing::error!(error = %format!("{e:#}"), image = %target, "queueing conversion");
-    }
-}
 
 /// A blocking reader over a stored object.
 fn object_reader(

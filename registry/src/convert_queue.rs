@@ -35,6 +35,7 @@ use crate::records::RecordError;
 use crate::registry::Registry;
 use crate::store::{RecordKey, Version};
 use amber_oci::digest::Digest;
+use amber_oci::manifest::{ManifestKind, ParsedManifest};
 use amber_oci::names::RepoName;
 
 /// Conversions taken over from another replica whose lease ran out.
@@ -128,6 +129,43 @@ impl Registry {
                 env_digest: None,
                 updated_unix: item.queued_unix,
             }))
+    }
+}
+
+/// Image config media types whose manifests are container images (others are artifacts).
+fn is_image_config(media_type: &str) -> bool {
+    matches!(
+        media_type,
+        amber_oci::media::OCI_CONFIG | amber_oci::media::DOCKER_CONFIG
+    )
+}
+
+/// Decides what a pushed (already validated) manifest means for conversion; queues the
+/// image if needed (in the shared queue, `convert_queue`, before the push is acknowledged).
+pub async fn on_manifest_pushed(
+    reg: &Arc<Registry>,
+    repo: &RepoName,
+    digest: &Digest,
+    parsed: &ParsedManifest,
+) {
+    let target = match parsed.kind {
+        ManifestKind::Image => {
+            let config_ok = parsed
+                .blobs
+                .first()
+                .is_some_and(|c| is_image_config(&c.media_type));
+            if !config_ok || parsed.subject.is_some() {
+                return; // an artifact, not a container image
+            }
+            digest.clone()
+        }
+        ManifestKind::Index => match parsed.linux_amd64() {
+            Some(d) => d.digest.clone(),
+            None => return,
+        },
+    };
+    if let Err(e) = enqueue(reg, repo, &target).await {
+        tracing::error!(error = %format!("{e:#}"), image = %target, "queueing conversion");
     }
 }
 

@@ -153,6 +153,6 @@ pub async fn store_manifest(
     })
     .await?;
     tracing::info!(%repo, %reference, %digest, media_type = %parsed.media_type, "manifest pushed");
-    crate::convert::on_manifest_pushed(reg, repo, &digest, &parsed).await;
+    crate::convert_queue::on_manifest_pushed(reg, repo, &digest, &parsed).await;
     Ok(PushedManifest { digest, parsed })
 }
