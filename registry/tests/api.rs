@@ -764,6 +764,19 @@ async fn bad_requests_get_4xx_never_5xx() {
             "DIGEST_INVALID",
         ),
         ("GET", "/v2/a/manifests/sha256:zz", 400, "DIGEST_INVALID"),
+        // Not a valid tag: no such manifest can exist (the conformance suite asks).
+        (
+            "GET",
+            "/v2/a/manifests/.INVALID_MANIFEST_NAME",
+            404,
+            "MANIFEST_UNKNOWN",
+        ),
+        (
+            "PUT",
+            "/v2/a/manifests/.INVALID_MANIFEST_NAME",
+            400,
+            "MANIFEST_INVALID",
+        ),
         ("GET", "/v2/a/blobs/uploads/not-a-uuid!", 404, "NOT_FOUND"),
         (
             "PATCH",

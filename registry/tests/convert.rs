@@ -311,6 +311,9 @@ async fn the_block_manifest_is_a_referrer_of_the_image() {
     let ms = r["manifests"].as_array().unwrap();
     assert_eq!(ms.len(), 1, "{r}");
     assert_eq!(ms[0]["annotations"]["dev.amber.env-digest"], env);
+    // Unfiltered, a client sees only the referrers clients pushed: none here.
+    let all: Value = get_json(&s, &format!("/v2/conv/ref/referrers/{image}")).await;
+    assert_eq!(all["manifests"], serde_json::json!([]), "{all}");
     // The artifact's layer is the envelope, pullable with any OCI client.
     let art: Value = client()
         .get(s.url(&format!(

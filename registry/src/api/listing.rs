@@ -1,5 +1,6 @@
 //! Listings served from the index: tags, `_catalog` (both paginated with `n` and `last`
-//! and a `Link` header) and referrers (with the `artifactType` filter). Over a shared
+//! and a `Link` header) and referrers (with the `artifactType` filter; the registry's
+//! own block-manifest referrers only through that filter). Over a shared
 //! bucket the index is first brought up to date from the store's records (records.rs).
 
 use axum::extract::Request;
@@ -104,8 +105,15 @@ pub async fn referrers(
     let filter = param(&q, "artifactType");
     reg.refresh_referrers(&name, &subject).await?;
     let mut manifests = reg.index.referrers(&name, &subject)?;
-    if let Some(f) = filter {
-        manifests.retain(|d| d.get("artifactType").and_then(Value::as_str) == Some(f));
+    // The registry's own derived artifacts (the block manifest of a converted image) are
+    // listed only when asked for by their artifactType: a client sees exactly the
+    // referrers clients pushed, as on any other registry.
+    let derived = |d: &Value| {
+        d.get("artifactType").and_then(Value::as_str) == Some(crate::convert::BLOCK_MANIFEST_TYPE)
+    };
+    match filter {
+        Some(f) => manifests.retain(|d| d.get("artifactType").and_then(Value::as_str) == Some(f)),
+        None => manifests.retain(|d| !derived(d)),
     }
     let body = json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": manifests});
     let mut resp = (

@@ -26,7 +26,7 @@ use futures_util::StreamExt;
 use crate::api::error::ApiError;
 use crate::registry::Registry;
 use crate::store::ByteStream;
-use amber_oci::names::Route;
+use amber_oci::names::{NameError, Route};
 
 pub type AppState = Arc<Registry>;
 
@@ -55,6 +55,19 @@ async fn dispatch(State(reg): State<AppState>, req: Request) -> Response {
     }
     let route = match Route::parse(req.uri().path()) {
         Ok(r) => r,
+        // A manifest asked for by a reference that is not a valid tag cannot exist: 404,
+        // as for any manifest that does not (a push under such a tag is still a 400).
+        Err(NameError::BadTag(tag))
+            if matches!(*req.method(), Method::GET | Method::HEAD)
+                && req.uri().path().contains("/manifests/") =>
+        {
+            return ApiError::new(
+                StatusCode::NOT_FOUND,
+                "MANIFEST_UNKNOWN",
+                format!("no manifest {tag:?}: it is neither a valid tag nor a digest"),
+            )
+            .into_response();
+        }
         Err(e) => return ApiError::from(e).into_response(),
     };
     let method = req.method().clone();
