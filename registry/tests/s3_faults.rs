@@ -1,6 +1,7 @@
 //! The S3 server going away: stopped in the middle of an upload, the client gets a clean
 //! retryable error (503 with Retry-After), no partial object becomes visible, reads the
-//! index can answer keep being served, and once the server is back pushes succeed again.
+//! index can answer keep being served (upload sessions, kept in the store, answer 503),
+//! and once the server is back pushes succeed again.
 //! Runs its own s3s-fs (data on disk, so it survives the restart).
 
 mod common;
@@ -157,13 +158,18 @@ async fn s3_going_away_mid_upload_is_a_clean_retryable_error_and_pushes_resume()
         .await
         .unwrap();
     assert_eq!(r.status(), 503);
-    // Nothing was acknowledged: the session stands at 0 bytes.
+    // The session is a record in the store (any replica may continue it): its status is
+    // a retryable 503 while the store is away.
+    let r = client().get(&location).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(error_code(r).await, "UNAVAILABLE");
+
+    // S3 comes back (same data): nothing was acknowledged, so the session stands at 0
+    // bytes; no partial object is visible, and the push resumes.
+    let (_s3, _) = S3sFs::start(root.path(), port);
     let r = client().get(&location).send().await.unwrap();
     assert_eq!(r.status(), 204);
     assert_eq!(r.headers()["range"], "0-0");
-
-    // S3 comes back (same data): no partial object is visible, and the push resumes.
-    let (_s3, _) = S3sFs::start(root.path(), port);
     let want = sha256(&data);
     let r = client()
         .head(reg.url(&format!("/v2/faults/app/blobs/{want}")))
