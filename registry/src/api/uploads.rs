@@ -154,6 +154,29 @@ async fn load(
     }
 }
 
+/// The in-process lock of session `id` (one request at a time per session and replica),
+/// for an id the registry could have made.
+fn session_lock(reg: &AppState, id: &str) -> ApiResult<crate::registry::SessionLock> {
+    match SessionId::parse(id) {
+        Some(_) => Ok(reg.session_lock(id)),
+        None => Err(ApiError::upload_unknown(id)),
+    }
+}
+
+/// [`load`] under the session's lock; an unknown session's lock is forgotten again, so
+/// requests for made-up ids leave nothing behind.
+async fn load_locked(
+    reg: &AppState,
+    name: &RepoName,
+    id: &str,
+) -> ApiResult<(SessionId, UploadSession, Version)> {
+    let loaded = load(reg, name, id).await;
+    if loaded.is_err() {
+        reg.forget_session(id);
+    }
+    loaded
+}
+
 pub async fn status(reg: &AppState, name: RepoName, id: String) -> ApiResult<Response> {
     let (id, s, _) = load(reg, &name, &id).await?;
     Ok(accepted(&name, &id, s.offset, StatusCode::NO_CONTENT))
@@ -165,11 +188,10 @@ pub async fn patch(
     id: String,
     req: Request,
 ) -> ApiResult<Response> {
-    load(reg, &name, &id).await?;
-    let lock = reg.session_lock(&id);
+    let lock = session_lock(reg, &id)?;
     let mut state = lock.lock().await;
-    // Re-read under the lock: another request may have moved or finished the session.
-    let (id, mut s, mut version) = load(reg, &name, &id).await?;
+    // Read under the lock: another request may have moved or finished the session.
+    let (id, mut s, mut version) = load_locked(reg, &name, &id).await?;
     append(reg, &id, &mut s, &mut version, &mut state, req).await?;
     Ok(accepted(&name, &id, s.offset, StatusCode::ACCEPTED))
 }
@@ -185,19 +207,17 @@ pub async fn finish(
             "completing an upload needs the blob's digest: PUT …?digest=<algorithm>:<hex>",
         )
     })?;
-    load(reg, &name, &id).await?;
-    let lock = reg.session_lock(&id);
+    let lock = session_lock(reg, &id)?;
     let mut state = lock.lock().await;
-    let (id, mut s, mut version) = load(reg, &name, &id).await?;
+    let (id, mut s, mut version) = load_locked(reg, &name, &id).await?;
     append(reg, &id, &mut s, &mut version, &mut state, req).await?;
     complete(reg, &name, &id, &s, &mut state, digest).await
 }
 
 pub async fn cancel(reg: &AppState, name: RepoName, id: String) -> ApiResult<Response> {
-    load(reg, &name, &id).await?;
-    let lock = reg.session_lock(&id);
+    let lock = session_lock(reg, &id)?;
     let _state = lock.lock().await;
-    let (id, _, _) = load(reg, &name, &id).await?;
+    let (id, _, _) = load_locked(reg, &name, &id).await?;
     reg.drop_upload_session(&id).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
