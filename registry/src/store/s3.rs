@@ -9,9 +9,9 @@
 //! Invariants kept here:
 //! - published objects are created once: every write to a published key carries
 //!   `If-None-Match: *`; a 412 means the content-addressed object is already there;
-//! - publishing copies the segments server-side into a multipart upload of the final key
-//!   (`UploadPartCopy`), completed with `If-None-Match: *`: the final key is either absent
-//!   or complete;
+//! - publishing copies the segments server-side to the final key (one `CopyObject` for a
+//!   single segment, else `UploadPartCopy` parts of a multipart upload), with
+//!   `If-None-Match: *`: the final key is either absent or complete;
 //! - memory per upload is bounded by a few part buffers (`PARALLEL_PARTS` + 1 of
 //!   `PART_BYTES`), whatever the blob size;
 //! - every call has timeouts and retries with backoff and jitter (the SDK's standard
@@ -666,6 +666,7 @@ impl ObjectStore for S3Store {
             return Err(StoreError::NotFound(format!("staged upload {id}")));
         }
         let k = self.key(key);
+        let all = segs.clone();
         if self.stat(key).await?.is_none() {
             let segs: Vec<Segment> = segs.into_iter().filter(|s| s.size > 0).collect();
             let copyable = segs
@@ -678,6 +679,10 @@ impl ObjectStore for S3Store {
                 // Empty, or segments S3 cannot copy as parts: stream them through.
                 let body = self.read_staged(id).await?;
                 self.write_streamed(&k, body, &mut |_| {}, true).await?;
+            } else if let [only] = segs.as_slice() {
+                // One segment (a blob pushed in one PATCH, as docker and skopeo do): one
+                // server-side copy, not a multipart upload of one copied part.
+                self.copy_whole(&k, &only.key).await?;
             } else {
                 let upload = self.start_upload(&k).await?;
                 let mut parts = Vec::new();
@@ -696,7 +701,13 @@ impl ObjectStore for S3Store {
                 self.complete(&k, &upload, parts, true).await?;
             }
         }
-        self.remove_staged(id).await
+        // The segments were just listed: delete them without listing again. A multipart
+        // upload a crashed request left under the session is aborted by `remove_staged`
+        // on expiry or cancel.
+        for seg in &all {
+            self.delete(&seg.key).await?;
+        }
+        Ok(())
     }
 
     async fn remove_staged(&self, id: &str) -> Result<(), StoreError> {
@@ -821,6 +832,25 @@ impl ObjectStore for S3Store {
 }
 
 impl S3Store {
+    /// Copies the whole object `src` server-side to the published key `key`, create-once
+    /// (a 412 means the content-addressed object is there already).
+    async fn copy_whole(&self, key: &str, src: &str) -> Result<(), StoreError> {
+        match self
+            .client
+            .copy_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .copy_source(format!("{}/{src}", self.bucket))
+            .if_none_match("*")
+            .send()
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) if status(&e) == Some(412) => Ok(()),
+            Err(e) => Err(io_err(format!("copying {src} to {key}"), e)),
+        }
+    }
+
     /// Copies `range` of `src` server-side as part `number` of an upload to `key`.
     async fn copy_part(
         &self,
@@ -924,5 +954,29 @@ mod tests {
             .concat();
         assert_eq!(got, all[PART_BYTES - 10..PART_BYTES + 10]);
         assert_eq!(store.staged_len(id).await.unwrap(), None);
+
+        // One segment of more than a part (one streamed PATCH): one server-side copy.
+        let single = "00000000-0000-0000-0000-00000000b1c2";
+        let mut whole = all.clone();
+        whole.reverse();
+        store
+            .append_staged(single, 0, one(whole.clone()), &mut |_| {})
+            .await
+            .unwrap();
+        let key = ObjectKey::blob(&amber_oci::digest::Digest::of(
+            amber_oci::digest::Algorithm::Sha256,
+            &whole,
+        ));
+        store.publish_staged(single, &key).await.unwrap();
+        assert!(store.read_all(&key).await.unwrap() == whole);
+        assert_eq!(store.staged_len(single).await.unwrap(), None);
+        // Publishing the same content again keeps the object (create-once).
+        store
+            .append_staged(single, 0, one(whole.clone()), &mut |_| {})
+            .await
+            .unwrap();
+        store.publish_staged(single, &key).await.unwrap();
+        assert!(store.read_all(&key).await.unwrap() == whole);
+        assert_eq!(store.staged_len(single).await.unwrap(), None);
     }
 }
