@@ -336,18 +336,8 @@ async fn append_stream(
         )
         .with_header(header::RETRY_AFTER, "1"));
     };
-    // Staged bytes past the acknowledged offset belong to a request that never finished.
-    match reg.store.staged_len(id).await? {
-        Some(len) if len != s.offset => {
-            reg.store.truncate_staged(id, s.offset).await?;
-            *state = None;
-        }
-        None if s.offset > 0 => {
-            reg.drop_upload_session(sid).await?;
-            return Err(ApiError::upload_unknown(id));
-        }
-        _ => {}
-    }
+    // Staged bytes past the acknowledged offset belong to a request that never finished:
+    // the store appends after the acknowledged offset and drops them.
     let mut hs = if s.offset == 0 {
         Some(HashState::new())
     } else {
@@ -384,7 +374,11 @@ async fn append_stream(
                     "the request body ended early ({err}); the upload keeps its first {} bytes, resume from there",
                     s.offset
                 )),
-                StoreError::OffsetMismatch { .. } | StoreError::NotFound(_) => ApiError::upload_unknown(id),
+                StoreError::OffsetMismatch { .. } | StoreError::NotFound(_) => {
+                    // The staged data is gone (published just before a crash, or removed).
+                    reg.drop_upload_session(sid).await?;
+                    ApiError::upload_unknown(id)
+                }
                 other => other.into(),
             });
         }
@@ -460,7 +454,7 @@ async fn complete(
         }
         _ => {
             let mut hasher = digest.algorithm().hasher();
-            let mut stream = reg.store.read_staged(id).await?;
+            let mut stream = reg.store.read_staged(id, s.offset).await?;
             while let Some(chunk) = stream.next().await {
                 hasher.update(&chunk.map_err(|e| ApiError::internal("reading staged upload", e))?);
             }
@@ -475,7 +469,7 @@ async fn complete(
         )));
     }
     reg.store
-        .publish_staged(id, &ObjectKey::blob(&digest))
+        .publish_staged(id, s.offset, &ObjectKey::blob(&digest))
         .await?;
     reg.link_blob(name, &digest, s.offset).await?;
     reg.finish_upload_session(sid).await?;

@@ -192,6 +192,45 @@ impl FsStore {
     }
 
     /// Links complete file `src` to `dst` (no replace), then makes the link durable.
+    /// Staged object `id`, opened, once it is checked to hold at least `len` bytes; with
+    /// `cut`, anything past `len` is removed (durably) first.
+    async fn staged_holding(
+        &self,
+        id: &str,
+        len: u64,
+        cut: bool,
+    ) -> Result<std::fs::File, StoreError> {
+        let path = self.staged(id)?;
+        let what = format!("staged upload {id}");
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(cut)
+                .open(&path)
+                .map_err(|e| not_found_or_io(what.clone(), e))?;
+            let actual = f
+                .metadata()
+                .map_err(|e| StoreError::io(what.as_str(), e))?
+                .len();
+            if actual < len {
+                return Err(StoreError::OffsetMismatch {
+                    id,
+                    expected: len,
+                    actual,
+                });
+            }
+            if cut && actual > len {
+                f.set_len(len)
+                    .map_err(|e| StoreError::io(what.as_str(), e))?;
+                f.sync_all().map_err(|e| StoreError::io(what.as_str(), e))?;
+            }
+            Ok(f)
+        })
+        .await
+        .expect("open task")
+    }
+
     async fn link_durably(&self, src: &Path, dst: &Path) -> Result<(), StoreError> {
         let dir = dst.parent().expect("object keys have a parent");
         tokio::fs::create_dir_all(dir)
@@ -308,12 +347,17 @@ impl ObjectStore for FsStore {
                 .metadata()
                 .map_err(|e| StoreError::io(what.as_str(), e))?
                 .len();
-            if actual != offset {
+            if actual < offset {
                 return Err(StoreError::OffsetMismatch {
                     id: id_owned,
                     expected: offset,
                     actual,
                 });
+            }
+            if actual > offset {
+                // Bytes of a request that never finished: appends go after `offset`.
+                f.set_len(offset)
+                    .map_err(|e| StoreError::io(what.as_str(), e))?;
             }
             let mut len = offset;
             let mut synced = offset;
@@ -375,23 +419,17 @@ impl ObjectStore for FsStore {
             .map_err(|e| StoreError::io(format!("staged upload {id}"), e))
     }
 
-    async fn read_staged(&self, id: &str) -> Result<ByteStream, StoreError> {
-        let path = self.staged(id)?;
-        let what = format!("staged upload {id}");
-        let file = tokio::task::spawn_blocking(move || {
-            let f = std::fs::File::open(&path).map_err(|e| not_found_or_io(what.clone(), e))?;
-            let len = f.metadata().map_err(|e| StoreError::io(what, e))?.len();
-            Ok::<_, StoreError>((f, len))
-        })
-        .await
-        .expect("open task")?;
-        Ok(stream_file(file.0, file.1))
+    async fn read_staged(&self, id: &str, len: u64) -> Result<ByteStream, StoreError> {
+        let f = self.staged_holding(id, len, false).await?;
+        Ok(stream_file(f, len))
     }
 
-    async fn publish_staged(&self, id: &str, key: &ObjectKey) -> Result<(), StoreError> {
-        let src = self.staged(id)?;
-        // The data was fsynced by append_staged; link it into place, then drop the staging name.
-        self.link_durably(&src, &self.path(key)).await?;
+    async fn publish_staged(&self, id: &str, len: u64, key: &ObjectKey) -> Result<(), StoreError> {
+        // Cut off what a request that never finished left past `len`; the data up to
+        // `len` was fsynced by append_staged. Link it into place, then drop the staging name.
+        self.staged_holding(id, len, true).await?;
+        self.link_durably(&self.staged(id)?, &self.path(key))
+            .await?;
         self.remove_staged(id).await
     }
 

@@ -226,9 +226,12 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// store is left unchanged: keys are content addresses, so the bytes are the same.
     async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError>;
 
-    /// Appends `body` to staged object `id` (created when `offset` is 0), which must hold
-    /// exactly `offset` bytes. Each chunk is passed to `observe` after it is written.
-    /// Returns the new length once the data is durable.
+    /// Appends `body` to staged object `id` after its first `offset` bytes, the ones the
+    /// caller acknowledged (created when `offset` is 0); bytes staged past `offset` by a
+    /// request that never finished are discarded. Fewer than `offset` bytes staged is an
+    /// error here or, for a backend that does not look (s3: no listing per request), when
+    /// the object is read or published. Each chunk is passed to `observe` after it is
+    /// written. Returns the new length once the data is durable.
     async fn append_staged(
         &self,
         id: &str,
@@ -243,12 +246,14 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// Cuts staged object `id` back to `len` bytes (recovery after a crash mid-append).
     async fn truncate_staged(&self, id: &str, len: u64) -> Result<(), StoreError>;
 
-    /// Streams the whole staged object `id`.
-    async fn read_staged(&self, id: &str) -> Result<ByteStream, StoreError>;
+    /// Streams the first `len` bytes of staged object `id` (its acknowledged bytes); an
+    /// error if fewer are staged.
+    async fn read_staged(&self, id: &str, len: u64) -> Result<ByteStream, StoreError>;
 
-    /// Makes staged object `id` visible as `key`, atomically, and forgets `id`. If `key`
-    /// exists already it is kept and the staged object is dropped.
-    async fn publish_staged(&self, id: &str, key: &ObjectKey) -> Result<(), StoreError>;
+    /// Makes the first `len` bytes of staged object `id` visible as `key`, atomically, and
+    /// forgets `id` (with anything staged past `len`). If `key` exists already it is kept
+    /// and the staged object is dropped. An error if fewer than `len` bytes are staged.
+    async fn publish_staged(&self, id: &str, len: u64, key: &ObjectKey) -> Result<(), StoreError>;
 
     /// Removes staged object `id`; removing a missing one is not an error.
     async fn remove_staged(&self, id: &str) -> Result<(), StoreError>;

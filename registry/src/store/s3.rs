@@ -246,6 +246,36 @@ impl S3Store {
         Ok(segs)
     }
 
+    /// The segments of staged object `id` that hold its first `len` bytes, checked to
+    /// tile them exactly, and every segment it has (with those a request that never
+    /// finished left past `len`).
+    async fn segments_below(
+        &self,
+        id: &str,
+        len: u64,
+    ) -> Result<(Vec<Segment>, Vec<Segment>), StoreError> {
+        let all = self.segments(id).await?;
+        if all.is_empty() {
+            return Err(StoreError::NotFound(format!("staged upload {id}")));
+        }
+        let below: Vec<Segment> = all.iter().filter(|s| s.start < len).cloned().collect();
+        let mut end = 0;
+        for s in &below {
+            if s.start != end {
+                break;
+            }
+            end += s.size;
+        }
+        if end != len {
+            return Err(StoreError::OffsetMismatch {
+                id: id.to_string(),
+                expected: len,
+                actual: end,
+            });
+        }
+        Ok((below, all))
+    }
+
     async fn delete(&self, key: &str) -> Result<(), StoreError> {
         self.client
             .delete_object()
@@ -581,29 +611,14 @@ impl ObjectStore for S3Store {
             }
         };
         if first.is_none() && offset > 0 {
-            return match self.staged_len(id).await? {
-                None => Err(StoreError::NotFound(format!("staged upload {id}"))),
-                Some(len) if len != offset => Err(StoreError::OffsetMismatch {
-                    id: id.to_string(),
-                    expected: offset,
-                    actual: len,
-                }),
-                Some(_) => Ok(offset),
-            };
+            return Ok(offset); // nothing to write; publish checks what is staged
         }
         let body: ByteStream = Box::pin(futures_util::stream::iter(first.map(Ok)).chain(body));
-        let segs = self.segments(id).await?;
-        let len: u64 = segs.iter().map(|s| s.size).sum();
-        if segs.is_empty() && offset > 0 {
-            return Err(StoreError::NotFound(format!("staged upload {id}")));
-        }
-        if len != offset {
-            return Err(StoreError::OffsetMismatch {
-                id: id.to_string(),
-                expected: offset,
-                actual: len,
-            });
-        }
+        // No listing: the segment of an append at `offset` is named by `offset`, so it
+        // replaces a segment a request that never finished left there (the only place
+        // one can be: the caller's acknowledged offset only moves once a segment is
+        // whole). Reads and publishes take the segments below their length, which must
+        // tile it exactly.
         let key = format!("{prefix}{offset:020}");
         let written = self.write_streamed(&key, body, observe, false).await?;
         Ok(offset + written)
@@ -648,11 +663,8 @@ impl ObjectStore for S3Store {
         Ok(())
     }
 
-    async fn read_staged(&self, id: &str) -> Result<ByteStream, StoreError> {
-        let segs = self.segments(id).await?;
-        if segs.is_empty() {
-            return Err(StoreError::NotFound(format!("staged upload {id}")));
-        }
+    async fn read_staged(&self, id: &str, len: u64) -> Result<ByteStream, StoreError> {
+        let (segs, _) = self.segments_below(id, len).await?;
         let mut streams = Vec::new();
         for s in segs.into_iter().filter(|s| s.size > 0) {
             streams.push(self.get_range(&s.key, 0..s.size).await?);
@@ -660,13 +672,9 @@ impl ObjectStore for S3Store {
         Ok(Box::pin(futures_util::stream::iter(streams).flatten()))
     }
 
-    async fn publish_staged(&self, id: &str, key: &ObjectKey) -> Result<(), StoreError> {
-        let segs = self.segments(id).await?;
-        if segs.is_empty() {
-            return Err(StoreError::NotFound(format!("staged upload {id}")));
-        }
+    async fn publish_staged(&self, id: &str, len: u64, key: &ObjectKey) -> Result<(), StoreError> {
+        let (segs, all) = self.segments_below(id, len).await?;
         let k = self.key(key);
-        let all = segs.clone();
         if self.stat(key).await?.is_none() {
             let segs: Vec<Segment> = segs.into_iter().filter(|s| s.size > 0).collect();
             let copyable = segs
@@ -677,7 +685,7 @@ impl ObjectStore for S3Store {
                 && segs.last().is_none_or(|s| s.size <= MAX_COPY_PART);
             if segs.is_empty() || !copyable {
                 // Empty, or segments S3 cannot copy as parts: stream them through.
-                let body = self.read_staged(id).await?;
+                let body = self.read_staged(id, len).await?;
                 self.write_streamed(&k, body, &mut |_| {}, true).await?;
             } else if let [only] = segs.as_slice() {
                 // One segment (a blob pushed in one PATCH, as docker and skopeo do): one
@@ -941,7 +949,10 @@ mod tests {
             amber_oci::digest::Algorithm::Sha256,
             &all,
         ));
-        store.publish_staged(id, &key).await.unwrap();
+        store
+            .publish_staged(id, all.len() as u64, &key)
+            .await
+            .unwrap();
         assert_eq!(store.read_all(&key).await.unwrap().len(), all.len());
         let mid = store
             .read(&key, PART_BYTES as u64 - 10..PART_BYTES as u64 + 10)
@@ -967,7 +978,10 @@ mod tests {
             amber_oci::digest::Algorithm::Sha256,
             &whole,
         ));
-        store.publish_staged(single, &key).await.unwrap();
+        store
+            .publish_staged(single, whole.len() as u64, &key)
+            .await
+            .unwrap();
         assert!(store.read_all(&key).await.unwrap() == whole);
         assert_eq!(store.staged_len(single).await.unwrap(), None);
         // Publishing the same content again keeps the object (create-once).
@@ -975,7 +989,10 @@ mod tests {
             .append_staged(single, 0, one(whole.clone()), &mut |_| {})
             .await
             .unwrap();
-        store.publish_staged(single, &key).await.unwrap();
+        store
+            .publish_staged(single, whole.len() as u64, &key)
+            .await
+            .unwrap();
         assert!(store.read_all(&key).await.unwrap() == whole);
         assert_eq!(store.staged_len(single).await.unwrap(), None);
     }

@@ -191,12 +191,22 @@ async fn staged_lifecycle(store: &dyn ObjectStore) {
     assert_eq!(store.staged_len(id).await.unwrap(), Some(12));
     store.truncate_staged(id, 11).await.unwrap();
     assert_eq!(
-        collect(store.read_staged(id).await.unwrap()).await,
+        collect(store.read_staged(id, 11).await.unwrap()).await,
         b"hello world"
     );
     assert!(store.list_staged().await.unwrap().contains(&id.to_string()));
+    // Bytes past the acknowledged length (a request that never finished) are neither
+    // read nor published.
+    store
+        .append_staged(id, 11, body(&[b" and more"]), &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        collect(store.read_staged(id, 11).await.unwrap()).await,
+        b"hello world"
+    );
     let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"hello world"));
-    store.publish_staged(id, &key).await.unwrap();
+    store.publish_staged(id, 11, &key).await.unwrap();
     assert_eq!(store.staged_len(id).await.unwrap(), None);
     assert_eq!(&store.read_all(&key).await.unwrap()[..], b"hello world");
     store.remove_staged(id).await.unwrap();
@@ -210,32 +220,63 @@ async fn staged_offset_is_checked(store: &dyn ObjectStore) {
         .append_staged(id, 0, body(&[b"abc"]), &mut |_| {})
         .await
         .unwrap();
-    let err = store
-        .append_staged(id, 1, body(&[b"x"]), &mut |_| {})
+    // Bytes past the acknowledged length (3) from a request that never finished are
+    // replaced by the next append there.
+    store
+        .append_staged(id, 3, body(&[b"def"]), &mut |_| {})
         .await
-        .unwrap_err();
+        .unwrap();
+    assert_eq!(
+        store
+            .append_staged(id, 3, body(&[b"x"]), &mut |_| {})
+            .await
+            .unwrap(),
+        4
+    );
+    assert_eq!(
+        collect(store.read_staged(id, 4).await.unwrap()).await,
+        b"abcx"
+    );
+    // Fewer bytes staged than acknowledged: refused at the append (fs) or when read
+    // or published (s3, which does not list per append); never published.
+    let short = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"abcx?y"));
+    let refused = match store.append_staged(id, 5, body(&[b"y"]), &mut |_| {}).await {
+        Err(e) => e,
+        Ok(_) => store.publish_staged(id, 6, &short).await.unwrap_err(),
+    };
+    assert!(
+        matches!(refused, StoreError::OffsetMismatch { .. }),
+        "{refused}"
+    );
+    assert!(matches!(
+        store.read_staged(id, 6).await.map(|_| ()),
+        Err(StoreError::OffsetMismatch {
+            expected: 6,
+            actual: 4,
+            ..
+        })
+    ));
+    assert_eq!(store.stat(&short).await.unwrap(), None);
+    // Appending to a session that does not exist (offset > 0) is refused at the append
+    // (fs) or when published (s3); nothing is published.
+    let dead = "0000aaaa-0000-0000-0000-00000000dead";
+    let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"?????x"));
+    let err = match store
+        .append_staged(dead, 5, body(&[b"x"]), &mut |_| {})
+        .await
+    {
+        Err(e) => e,
+        Ok(_) => store.publish_staged(dead, 6, &key).await.unwrap_err(),
+    };
     assert!(
         matches!(
             err,
-            StoreError::OffsetMismatch {
-                expected: 1,
-                actual: 3,
-                ..
-            }
+            StoreError::NotFound(_) | StoreError::OffsetMismatch { .. }
         ),
         "{err}"
     );
-    // Appending to a session that does not exist (offset > 0) is not found.
-    let err = store
-        .append_staged(
-            "0000aaaa-0000-0000-0000-00000000dead",
-            5,
-            body(&[b"x"]),
-            &mut |_| {},
-        )
-        .await
-        .unwrap_err();
-    assert!(matches!(err, StoreError::NotFound(_)), "{err}");
+    assert_eq!(store.stat(&key).await.unwrap(), None);
+    store.remove_staged(dead).await.unwrap();
     store.remove_staged(id).await.unwrap();
     assert_eq!(store.staged_len(id).await.unwrap(), None);
 }
@@ -252,7 +293,9 @@ async fn concurrent_publish_of_same_content(store: &dyn ObjectStore) {
             .await
             .unwrap();
     }
-    let publishes = ids.iter().map(|id| store.publish_staged(id, &key));
+    let publishes = ids
+        .iter()
+        .map(|id| store.publish_staged(id, data.len() as u64, &key));
     for r in futures_util::future::join_all(publishes).await {
         r.unwrap();
     }

@@ -593,7 +593,7 @@ async fn fetch_blob(
                 "{actual} ({len} bytes, {size} expected)"
             )));
         }
-        reg.store.publish_staged(&id, &key).await?;
+        reg.store.publish_staged(&id, len, &key).await?;
         Ok(true)
     }
     .await;
