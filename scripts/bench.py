@@ -9,6 +9,8 @@ Benchmarks so far:
             import, against skopeo sync between two distribution registries.
   machine   (bench_machine.py) TCP from a sandbox to the host, host-service latency and
             Docker inside, against a Docker container of the same image.
+  scale     (bench_scale.py) metadata at scale: synthetic images pushed by amber-synth, then
+            manifest, tag list, catalog, referrers and resolve reads by wrk; against distribution.
   node      (bench_node.py) idle density, exec round trip and a rollout loop through
             amberd's node API, against the Docker engine on the same image.
 """
@@ -972,8 +974,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small image set, 3 runs")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus", "node", "state", "import", "machine"], help="run one benchmark")
+    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus", "node", "state", "import", "machine", "scale"], help="run one benchmark")
     ap.add_argument("--corpus", type=int, help="task images in the corpus (default 200; 20 with --quick)")
+    ap.add_argument("--scale", help="image counts the scale benchmark measures at, comma-separated "
+                    "(default 10000,100000; 2000,10000 with --quick)")
     a = ap.parse_args()
     work = os.path.join(RUN, "bench")
     os.makedirs(work, exist_ok=True)
@@ -1031,6 +1035,11 @@ def main():
         import bench_machine
         print("machine: network and Docker inside, amber and a Docker container", flush=True)
         sections.append(bench_machine.machine_section(bench_machine.bench_machine(work, sys.modules[__name__], a.quick)))
+    if a.only in (None, "scale"):
+        import bench_scale
+        sizes = [int(x) for x in (a.scale or ("2000,10000" if a.quick else "10000,100000")).split(",")]
+        print(f"metadata at scale: {sizes} synthetic images, amber and distribution", flush=True)
+        sections.append(bench_scale.scale_section(bench_scale.bench_scale(work, sys.modules[__name__], sizes)))
     command = "scripts/bench" + (" --quick" if a.quick else "")
     out = os.path.join(ROOT, "BENCHMARKS.md") if not (a.quick or a.only) else os.path.join(work, "BENCHMARKS.partial.md")
     write_report(out, sections, command)

@@ -459,7 +459,7 @@ pub async fn setup(
         &format!("boot-{}", &initramfs["sha256:".len()..][..16]),
         &[
             (VMLINUZ_TYPE, &vmlinuz, "vmlinuz"),
-            (INITRAMFS_TYPE, &cpio, "initramfs.cpio"),
+            (INITRAMFS_TYPE, &cpio, "initramfs.cpio.gz"),
         ],
     )
     .await?;

@@ -4,7 +4,7 @@
 //! Modules:
 //! - `kernel`: the guest's boot files on the node and in the registry (the pinned Debian
 //!   kernel, the initramfs around the agent built into this binary), the accelerator
-//!   probe; `initramfs`: its deterministic cpio;
+//!   probe; `initramfs`: its deterministic, gzip-compressed cpio;
 //! - `image`: reference resolution through the registry, with every manifest and config
 //!   byte verified against its digest;
 //! - `command`: `docker run`/`docker exec` semantics (argv, environment, cwd, user);

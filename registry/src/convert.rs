@@ -393,17 +393,23 @@ fn convert_layers(
     }
     // Every chain strictly inside the image and above `start` lacks a state (the search
     // for `start` went from the top down); one is kept for a chain another image had
-    // (a shared base), and a chain seen for the first time is only marked.
-    // The whole image's chain is marked too (an image built FROM this one has it).
+    // (a shared base), and a chain seen for the first time is only marked. The whole
+    // image's chain gets no marker: its `.env` memo, written when the conversion ends,
+    // marks it (an image built FROM this one has it), so an image costs one file here.
     let mut keep = Vec::new();
     for (k, key) in keys.iter().enumerate().skip(first) {
-        let seen = ObjectKey::chain_seen(key);
-        if handle.block_on(reg.store.stat(&seen))?.is_some() {
-            if keep.len() < MAX_KEPT_CHAINS && k + 1 < keys.len() {
+        let whole = k + 1 == keys.len();
+        let marker = ObjectKey::chain_seen(key);
+        let seen = handle.block_on(reg.store.stat(&marker))?.is_some()
+            || handle
+                .block_on(reg.store.stat(&ObjectKey::chain_env(key)))?
+                .is_some();
+        if seen {
+            if keep.len() < MAX_KEPT_CHAINS && !whole {
                 keep.push(k as u32 + 1);
             }
-        } else {
-            handle.block_on(reg.store.put(&seen, Bytes::new()))?;
+        } else if !whole {
+            handle.block_on(reg.store.put(&marker, Bytes::new()))?;
         }
     }
     let scratch_dir = reg.config.data.join("tmp");

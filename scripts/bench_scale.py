@@ -1,0 +1,228 @@
+"""Metadata at scale (issue 18): synthetic task images pushed over HTTP by `amber-synth`
+(testkit/src/bin/amber-synth.rs: repositories of 8 tagged images over 8 shared base
+layers, a layer and a config of each image's own, a referrer on every 4th image), with
+conversion on, into one amber-registry on local disk; read back with wrk (64
+connections) at each size; then the same generator into CNCF distribution for as long as
+amber's whole ingest took, read back the same way; then a reindex of amber's store into a
+fresh index.
+"""
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+
+CONNECTIONS = 64
+SECONDS = 10
+
+LUA = """
+local paths = {}
+init = function(args)
+  for line in io.lines(args[1]) do paths[#paths + 1] = line end
+  math.randomseed(os.time() + tonumber(tostring({}):sub(8), 16))
+end
+request = function()
+  return wrk.format("GET", paths[math.random(#paths)])
+end
+"""
+
+ACCEPT = ("application/vnd.oci.image.manifest.v1+json,application/vnd.oci.image.index.v1+json,"
+          "application/vnd.docker.distribution.manifest.v2+json")
+
+
+def wrk(work, addr, name, paths, accept=None):
+    """Requests per second and latency percentiles of GETs of `paths` (picked at random)."""
+    plist = os.path.join(work, f"paths-{name}.txt")
+    with open(plist, "w") as f:
+        f.write("\n".join(paths) + "\n")
+    script = os.path.join(work, "random-paths.lua")
+    with open(script, "w") as f:
+        f.write(LUA)
+    cmd = ["wrk", "-t", "2", "-c", str(CONNECTIONS), "-d", f"{SECONDS}s", "--latency", "-s", script]
+    if accept:
+        cmd += ["-H", f"Accept: {accept}"]
+    out = subprocess.run(cmd + [f"http://{addr}", "--", plist], check=True, capture_output=True, text=True).stdout
+    unit = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+    def pct(p):
+        m = re.search(rf"^\s+{p}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+        return float(m.group(1)) * unit[m.group(2)]
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    return {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)), "p50": pct(50), "p99": pct(99),
+            "requests": total, "errors": int(bad.group(1)) if bad else 0}
+
+
+def read_list(path):
+    with open(path) as f:
+        return [line.rstrip("\n").split("\t") for line in f if line.strip()]
+
+
+def reads(work, addr, images, amber):
+    """Every read measure over a random sample of the pushed images."""
+    rnd = random.Random(1)
+    sample = rnd.sample(images, min(len(images), 50_000))
+    repos = sorted({r for r, _, _ in images})
+    with_referrers = [x for x in sample if int(x[1][1:]) % 4 == 0]  # tags v0, v4: images 8k and 8k+4
+    res = {
+        "manifest by tag": wrk(work, addr, "tag", [f"/v2/{r}/manifests/{t}" for r, t, _ in sample], ACCEPT),
+        "manifest by digest": wrk(work, addr, "digest", [f"/v2/{r}/manifests/{d}" for r, _, d in sample], ACCEPT),
+        "tag list": wrk(work, addr, "tags", [f"/v2/{r}/tags/list" for r, _, _ in sample]),
+        "catalog page (100)": wrk(work, addr, "catalog",
+                                  [f"/v2/_catalog?n=100&last={r}" for r in rnd.sample(repos, min(len(repos), 20_000))]),
+    }
+    if amber:
+        res["referrers"] = wrk(work, addr, "referrers", [f"/v2/{r}/referrers/{d}" for r, _, d in with_referrers])
+        res["resolve"] = wrk(work, addr, "resolve", [f"/amber/v1/resolve/{r}/{t}" for r, t, _ in sample])
+    return res
+
+
+def du(path):
+    """Apparent bytes and files under `path`."""
+    if not os.path.exists(path):
+        return 0, 0
+    b = int(subprocess.run(["du", "-s", "-B1", "--apparent-size", path], check=True, capture_output=True,
+                           text=True).stdout.split()[0])
+    n = int(subprocess.run(["find", path, "-type", "f", "-printf", "."], check=True, capture_output=True,
+                           text=True).stdout.count("."))
+    return b, n
+
+
+def storage(data):
+    store = os.path.join(data, "store")
+    parts = {}
+    for name in sorted(os.listdir(store)):
+        parts[name] = du(os.path.join(store, name))
+    for name in sorted(os.listdir(data)):
+        if name != "store" and os.path.isdir(os.path.join(data, name)):
+            parts[f"({name})"] = du(os.path.join(data, name))
+    return parts
+
+
+def synth(h, args):
+    out = subprocess.run([os.path.join(h.TARGET, "release", "amber-synth")] + args, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def bench_scale(work, h, sizes):
+    work = os.path.join(work, "scale")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    res = {"sizes": []}
+    lst = os.path.join(work, "amber.tsv")
+    s = h.Server("amber-scale", work)
+    ingest_seconds, pushed = 0.0, 0
+    try:
+        for size in sizes:
+            print(f"  amber: pushing images {pushed} to {size}", flush=True)
+            t0 = time.monotonic()
+            p = synth(h, ["push", "--registry", s.addr, "--from", str(pushed), "--images", str(size), "--list", lst])
+            w = synth(h, ["wait-converted", "--registry", s.addr, "--list", lst])
+            step = time.monotonic() - t0
+            ingest_seconds += step
+            if w["failed"]:
+                raise RuntimeError(f"{w['failed']} synthetic images failed to convert; log: {s.log}")
+            pushed = size
+            images = read_list(lst)
+            print(f"  amber: {len(images)} images in; reading", flush=True)
+            entry = {"images": len(images), "push": p, "ingest_seconds": step,
+                     "images_per_second": (size - (res['sizes'][-1]['images'] if res['sizes'] else 0)) / step,
+                     "reads": reads(work, s.addr, images, True), "storage": storage(s.data),
+                     "rss_kib": h.vm_hwm_kib(s.proc.pid)}
+            res["sizes"].append(entry)
+    finally:
+        res["peak_rss_kib"] = s.stop(keep=True)
+    # A fresh replica's index: the store alone, reindexed.
+    index = [d for d in os.listdir(s.data) if d != "store" and os.path.isdir(os.path.join(s.data, d))]
+    for d in index:
+        shutil.rmtree(os.path.join(s.data, d))
+    t0 = time.monotonic()
+    out = subprocess.run([os.path.join(h.TARGET, "release", "amber-registry"), "reindex", "--data", s.data],
+                         check=True, capture_output=True, text=True)
+    res["reindex"] = {"seconds": time.monotonic() - t0, "output": (out.stdout + out.stderr).strip().splitlines()[-1:]}
+    shutil.rmtree(s.data, ignore_errors=True)
+    # The peer, for as long as amber's ingest took.
+    print(f"  distribution: pushing for {ingest_seconds:.0f} s", flush=True)
+    dlst = os.path.join(work, "distribution.tsv")
+    d = h.Server("distribution", work)
+    try:
+        p = synth(h, ["push", "--registry", d.addr, "--images", str(sizes[-1]), "--list", dlst,
+                      "--seconds", str(ingest_seconds)])
+        images = read_list(dlst)
+        print(f"  distribution: {len(images)} images in; reading", flush=True)
+        res["distribution"] = {"images": len(images), "push": p, "reads": reads(work, d.addr, images, False),
+                               "storage": {"(all)": du(d.data)}}
+    finally:
+        res["distribution"]["peak_rss_kib"] = d.stop()
+    res["amber_ingest_seconds"] = ingest_seconds
+    with open(os.path.join(work, "result.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+def scale_section(res):
+    last = res["sizes"][-1]
+    n = last["images"]
+    dist = res["distribution"]
+    lines = [
+        "## Metadata at scale (issue 18)",
+        "",
+        "`scripts/bench --only scale` (`scripts/bench_scale.py`): synthetic task images pushed over HTTP by",
+        "`amber-synth` (64 connections; repositories of 8 tagged images; each image is one of 8 shared base layers of",
+        "200 small files, a layer of its own with the task's files, a config of its own; every 4th image has a",
+        "referrer, an artifact manifest with a report blob), conversion on, into one `amber-registry` on local disk",
+        "(RocksDB index). Ingest: from the first push to every image's `resolve` answering `done`. Reads: wrk, 64",
+        f"connections, {SECONDS} s each, GETs of paths drawn at random from the pushed images (manifests by tag and",
+        "by digest, tag lists, catalog pages of 100 after a random repository, referrers, resolve).",
+        "",
+        "| images | ingest (images/s) | " + " | ".join(
+            f"{k} req/s, p50 / p99 (ms)" for k in last["reads"]) + " | RSS (MiB) |",
+        "|---" * (3 + len(last["reads"])) + "|",
+    ]
+    for e in res["sizes"]:
+        lines.append(f"| {e['images']:,} | {e['images_per_second']:.0f} | " + " | ".join(
+            f"{r['rps']:,.0f}, {r['p50']:.2f} / {r['p99']:.2f}" + (f" ({r['errors']} errors)" if r["errors"] else "")
+            for r in e["reads"].values()) + f" | {e['rss_kib'] / 1024:.0f} |")
+    dn = dist["images"]
+    lines += [
+        f"| distribution 2.8, {dn:,} images (what it took in {res['amber_ingest_seconds']:.0f} s) | "
+        f"{dist['push']['images_per_second']:.0f} (push only) | " + " | ".join(
+            (f"{r['rps']:,.0f}, {r['p50']:.2f} / {r['p99']:.2f}" + (f" ({r['errors']} errors)" if r["errors"] else ""))
+            if (r := dist["reads"].get(k)) else "-" for k in last["reads"]) +
+        f" | {dist['peak_rss_kib'] / 1024:.0f} |",
+        "",
+        f"Stored at {n:,} images (apparent bytes and files, per image):",
+        "",
+        "| part | bytes per image | files per image |",
+        "|---|---|---|",
+    ]
+    meta_b = meta_f = 0
+    for part, (b, f) in last["storage"].items():
+        lines.append(f"| {part} | {b / n:,.0f} | {f / n:.2f} |")
+        if part not in ("blobs", "chunks", "_staging"):
+            meta_b, meta_f = meta_b + b, meta_f + f
+    db, df = dist["storage"]["(all)"]
+    lines += [
+        f"| metadata beyond blobs and chunks (records, block manifests, chain states, index) | {meta_b / n:,.0f} | {meta_f / n:.2f} |",
+        f"| distribution, everything ({dn:,} images) | {db / max(1, dn):,.0f} | {df / max(1, dn):.2f} |",
+        "",
+        f"Peak RSS of amber-registry over the whole run: {res['peak_rss_kib'] / 1024:.0f} MiB. Reindex of the",
+        f"store into a fresh index (`amber-registry reindex`, fs store): {res['reindex']['seconds']:.1f} s "
+        f"({' '.join(res['reindex']['output'])}).",
+        "",
+    ]
+    pl = [r["p99"] for k, r in last["reads"].items() if not k.startswith("catalog")]
+    cat = last["reads"]["catalog page (100)"]["p99"]
+    lines += [
+        f"Goals at {n:,} images (the issue's goals are for 1,000,000): point lookups p99 at most 5 ms: worst "
+        f"{max(pl):.2f} ms, {'met' if max(pl) <= 5 else 'NOT met'}; catalog page p99 at most 10 ms: {cat:.2f} ms, "
+        f"{'met' if cat <= 10 else 'NOT met'}; at most 8 KiB and 4 files of metadata per image: "
+        f"{meta_b / n / 1024:.1f} KiB and {meta_f / n:.2f} files, "
+        f"{'met' if meta_b / n <= 8192 and meta_f / n <= 4 else 'NOT met'}; peak RSS under 512 MiB: "
+        f"{'met' if res['peak_rss_kib'] < 512 * 1024 else 'NOT met'}.",
+        "",
+    ]
+    return lines
