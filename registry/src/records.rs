@@ -50,6 +50,15 @@ pub struct ManifestLink {
     pub source: Option<amber_api::registry::ImageSource>,
 }
 
+/// The keys of a listing refresh; none when the store did not answer (the listing is
+/// then served from the index as it is).
+fn served_from_index(prefix: &str, listed: Result<Vec<RecordKey>, StoreError>) -> Vec<RecordKey> {
+    listed.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, prefix, "listing served from the index cache");
+        Vec::new()
+    })
+}
+
 fn corrupt(key: &RecordKey, why: impl std::fmt::Display) -> RecordError {
     RecordError::Corrupt {
         key: key.as_str().to_string(),
@@ -157,26 +166,20 @@ impl Registry {
     /// Records under `prefix` for a listing refresh; none when the store does not answer
     /// (the listing is then served from the index as it is).
     async fn listed(&self, prefix: &str) -> Vec<RecordKey> {
-        match self.store.list_records(prefix).await {
-            Ok(keys) => keys,
-            Err(e) => {
-                tracing::warn!(error = %e, prefix, "listing served from the index cache");
-                Vec::new()
-            }
-        }
+        served_from_index(prefix, self.store.list_records(prefix).await)
     }
 
-    /// Brings the index's list of repositories up to date with the store.
-    pub async fn refresh_catalog(&self) -> Result<(), RecordError> {
+    /// Brings the index's repositories up to date with the store for a catalog page: the
+    /// first `n` after `after`, in name order (one listing request, however many
+    /// repositories the store holds).
+    pub async fn refresh_catalog(&self, after: Option<&str>, n: usize) -> Result<(), RecordError> {
         if !self.shared() {
             return Ok(());
         }
-        for key in self.listed("_records/catalog/").await {
-            if let Some(repo) = key
-                .as_str()
-                .strip_prefix("_records/catalog/")
-                .and_then(|r| RepoName::parse(r).ok())
-            {
+        let prefix = RecordKey::CATALOG;
+        let page = self.store.list_records_page(prefix, after, n).await;
+        for key in served_from_index(prefix, page) {
+            if let Some(repo) = key.catalog_repo() {
                 if !self.index.repo_exists(&repo)? {
                     self.index.put_repo(&repo)?;
                 }

@@ -131,12 +131,8 @@ async fn fill(reg: &Registry) -> anyhow::Result<Summary> {
         })?;
         s.tags += 1;
     }
-    for key in reg.store.list_records("_records/catalog/").await? {
-        if let Some(repo) = key
-            .as_str()
-            .strip_prefix("_records/catalog/")
-            .and_then(|r| RepoName::parse(r).ok())
-        {
+    for key in reg.store.list_records(RecordKey::CATALOG).await? {
+        if let Some(repo) = key.catalog_repo() {
             reg.index.put_repo(&repo)?;
         }
     }

@@ -358,3 +358,59 @@ fn tokio_stream_from(
 ) -> impl futures_util::Stream<Item = Result<Vec<u8>, std::io::Error>> {
     futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|v| (v, rx)) })
 }
+
+/// Over a shared bucket a catalog page reads only its own range of the store's catalog
+/// records (one listing request, however many repositories there are): repositories
+/// pushed through one replica, names inside other names included, page through the
+/// other in name order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_catalog_pages_through_the_other_replica_one_listing_per_page() {
+    let prefix = format!("catalog-{}/", uuid::Uuid::new_v4());
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    // Long leases: no background sweep lists the bucket while the requests are counted.
+    let a = replica(da.path(), &prefix);
+    let b = replica_with(db.path(), &prefix, &["--conversion-lease-secs", "3600"]);
+    // `cat/a/b` needs `cat/a` to be a directory on a file-backed store (s3s-fs, fs).
+    for repo in ["cat/a", "cat/a/b", "cat/c", "cat/a-b", "cat/b"] {
+        push_blob(&a, repo, repo.as_bytes()).await;
+    }
+    let lists = || async {
+        metrics_text(&b)
+            .await
+            .lines()
+            .filter(|l| {
+                l.starts_with("amber_s3_requests_total{") && l.contains("op=\"ListObjectsV2\"")
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum::<f64>()
+    };
+    let (mut seen, mut last) = (Vec::new(), None::<String>);
+    loop {
+        let path = match &last {
+            Some(l) => format!("/v2/_catalog?n=2&last={l}"),
+            None => "/v2/_catalog?n=2".to_string(),
+        };
+        let before = lists().await;
+        let r = client().get(b.url(&path)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let more = r.headers().get("link").is_some();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(
+            lists().await - before,
+            1.0,
+            "one listing for the page {path}"
+        );
+        let page: Vec<String> = v["repositories"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_str().unwrap().to_string())
+            .collect();
+        seen.extend(page.clone());
+        if !more {
+            break;
+        }
+        last = page.last().cloned();
+    }
+    assert_eq!(seen, ["cat/a", "cat/a-b", "cat/a/b", "cat/b", "cat/c"]);
+}

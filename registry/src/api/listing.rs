@@ -1,7 +1,8 @@
 //! Listings served from the index: tags, `_catalog` (both paginated with `n` and `last`
 //! and a `Link` header) and referrers (with the `artifactType` filter; the registry's
 //! own block-manifest referrers only through that filter). Over a shared
-//! bucket the index is first brought up to date from the store's records (records.rs).
+//! bucket the index is first brought up to date from the store's records (records.rs):
+//! for a catalog page, only the page's own range of them (one listing request).
 
 use axum::extract::Request;
 use axum::http::{header, StatusCode};
@@ -72,12 +73,16 @@ pub async fn catalog(
     visible: &(dyn Fn(&str) -> bool + Sync),
 ) -> ApiResult<Response> {
     let (last, n) = page_params(&req)?;
-    reg.refresh_catalog().await?;
     let mut repos = Vec::new();
     let mut cursor = last;
-    // More pages exist when one more visible repository follows the n collected.
+    // More pages exist when one more visible repository follows the n collected: index
+    // pages of n + 1 decide that in one page when every repository is visible.
     let more = 'scan: loop {
-        let (page, page_more) = reg.index.catalog(cursor.as_deref(), n)?;
+        // Over a shared bucket, the store's names in the range of this index page first
+        // (one listing; the index page, and the one name after it that says whether more
+        // follow, end at or before the store's n + 2).
+        reg.refresh_catalog(cursor.as_deref(), n + 2).await?;
+        let (page, page_more) = reg.index.catalog(cursor.as_deref(), n + 1)?;
         cursor = page.last().cloned();
         for r in page {
             if visible(&r) {

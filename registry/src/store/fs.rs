@@ -131,6 +131,41 @@ fn record_version(v: &[u8]) -> Version {
     Version(hex::encode(sha2::Sha256::digest(v)))
 }
 
+/// Written once the catalog records of a store from before
+/// [`RecordKey::CATALOG_MARK`] are renamed.
+const CATALOG_MARKED: &str = "_records/.catalog-marked";
+
+/// Renames catalog records written without [`RecordKey::CATALOG_MARK`] (a store from an
+/// earlier version, where a repository named inside another's name could not be
+/// created), once per store.
+fn mark_catalog_records(root: &Path) -> io::Result<()> {
+    const CATALOG_MARK: &str = RecordKey::CATALOG_MARK;
+    let done = root.join(CATALOG_MARKED);
+    let catalog = root.join(RecordKey::CATALOG);
+    if done.exists() || !catalog.exists() {
+        return Ok(());
+    }
+    let mut stack = vec![catalog];
+    while let Some(dir) = stack.pop() {
+        let mut renamed = false;
+        for e in std::fs::read_dir(&dir)? {
+            let e = e?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            if e.file_type()?.is_dir() {
+                stack.push(e.path());
+            } else if !name.ends_with(CATALOG_MARK) {
+                std::fs::rename(e.path(), dir.join(format!("{name}{CATALOG_MARK}")))?;
+                renamed = true;
+            }
+        }
+        if renamed {
+            std::fs::File::open(&dir)?.sync_all()?;
+        }
+    }
+    std::fs::File::create(&done)?.sync_all()?;
+    std::fs::File::open(root.join("_records"))?.sync_all()
+}
+
 /// Every file under `root` whose path relative to `root` starts with `prefix`, sorted.
 async fn walk(root: PathBuf, prefix: String) -> Result<Vec<String>, StoreError> {
     tokio::task::spawn_blocking(move || {
@@ -174,6 +209,8 @@ impl FsStore {
             let p = root.join(d);
             std::fs::create_dir_all(&p).map_err(|e| StoreError::io(p.display().to_string(), e))?;
         }
+        mark_catalog_records(&root)
+            .map_err(|e| StoreError::io("renaming catalog records (one-time upgrade)", e))?;
         Ok(FsStore {
             root,
             records: tokio::sync::Mutex::new(()),
@@ -181,6 +218,10 @@ impl FsStore {
     }
 
     fn path(&self, key: &ObjectKey) -> PathBuf {
+        self.root.join(key.as_str())
+    }
+
+    fn record_path(&self, key: &RecordKey) -> PathBuf {
         self.root.join(key.as_str())
     }
 
@@ -484,7 +525,7 @@ impl ObjectStore for FsStore {
     }
 
     async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError> {
-        match read_small(&self.root.join(key.as_str())) {
+        match read_small(&self.record_path(key)) {
             Ok(v) => {
                 let version = record_version(&v);
                 Ok(Some((Bytes::from(v), version)))
@@ -507,7 +548,7 @@ impl ObjectStore for FsStore {
         if current.as_ref() != expected {
             return Ok(None);
         }
-        let dst = self.root.join(key.as_str());
+        let dst = self.record_path(key);
         let tmp = self
             .root
             .join("_tmp")
@@ -532,7 +573,7 @@ impl ObjectStore for FsStore {
 
     async fn delete_record(&self, key: &RecordKey) -> Result<(), StoreError> {
         let _guard = self.records.lock().await;
-        let path = self.root.join(key.as_str());
+        let path = self.record_path(key);
         let what = key.as_str().to_string();
         tokio::task::spawn_blocking(move || -> io::Result<()> {
             match std::fs::remove_file(&path) {
@@ -552,11 +593,13 @@ impl ObjectStore for FsStore {
         if !prefix.starts_with(RecordKey::ALL) || prefix.contains("..") {
             return Ok(Vec::new());
         }
-        Ok(walk(self.root.clone(), prefix.to_string())
+        let mut keys: Vec<RecordKey> = walk(self.root.clone(), prefix.to_string())
             .await?
             .iter()
             .filter_map(|k| RecordKey::parse(k))
-            .collect())
+            .collect();
+        keys.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        Ok(keys)
     }
 }
 
@@ -572,6 +615,34 @@ pub fn clean_tmp(root: &Path) -> io::Result<usize> {
 
 #[cfg(test)]
 mod tests {
+    /// A store from before catalog records had their mark: its records are renamed once
+    /// at open, and a repository under an old one's name can then be created.
+    #[tokio::test]
+    async fn catalog_records_of_an_older_store_are_renamed_once() {
+        use super::super::{ObjectStore, RecordKey};
+        let dir = tempfile::tempdir().unwrap();
+        let old = dir.path().join("_records/catalog/team/app");
+        std::fs::create_dir_all(old.parent().unwrap()).unwrap();
+        std::fs::write(&old, b"").unwrap();
+        let store = super::FsStore::open(dir.path()).unwrap();
+        assert!(!old.exists());
+        let repo = |n| RecordKey::repo(&amber_oci::names::RepoName::parse(n).unwrap());
+        assert!(store.get_record(&repo("team/app")).await.unwrap().is_some());
+        assert!(store
+            .put_record(&repo("team/app/web"), bytes::Bytes::new(), None)
+            .await
+            .unwrap()
+            .is_some());
+        assert_eq!(
+            store.list_records(RecordKey::CATALOG).await.unwrap(),
+            vec![repo("team/app"), repo("team/app/web")]
+        );
+        // Not again: a marked store is left as it is.
+        std::fs::write(dir.path().join("_records/catalog/stray"), b"").unwrap();
+        super::FsStore::open(dir.path()).unwrap();
+        assert!(dir.path().join("_records/catalog/stray").exists());
+    }
+
     #[tokio::test]
     async fn fs_backend_passes_the_store_suite() {
         let dir = tempfile::tempdir().unwrap();

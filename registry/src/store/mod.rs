@@ -111,8 +111,26 @@ impl RecordKey {
     }
 
     /// Repository `repo` exists (for the catalog).
+    /// The catalog record of `repo`: its name and [`CATALOG_MARK`](Self::CATALOG_MARK).
     pub fn repo(repo: &amber_oci::names::RepoName) -> RecordKey {
-        RecordKey(format!("_records/catalog/{repo}"))
+        RecordKey(format!("{}{repo}{}", Self::CATALOG, Self::CATALOG_MARK))
+    }
+
+    /// The prefix of catalog records.
+    pub const CATALOG: &'static str = "_records/catalog/";
+
+    /// Ends a catalog record's key. One repository's name can be a directory of another's
+    /// (`a/b` and `a/b/c`): on a file-backed store (fs, s3s-fs, MinIO) the record of
+    /// `a/b` would be a file where `a/b/c` needs a directory. `!` is in no name and sorts
+    /// before every character a name has, so records list in the order of the names.
+    pub const CATALOG_MARK: &'static str = "!";
+
+    /// The repository of a catalog record (written with or, before the mark, without
+    /// [`CATALOG_MARK`]).
+    pub fn catalog_repo(&self) -> Option<amber_oci::names::RepoName> {
+        let name = self.0.strip_prefix(Self::CATALOG)?;
+        amber_oci::names::RepoName::parse(name.strip_suffix(Self::CATALOG_MARK).unwrap_or(name))
+            .ok()
     }
 
     /// Manifest `digest` of `repo` has subject `subject`.
@@ -162,6 +180,16 @@ impl RecordKey {
 
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+/// What follows a name given as `after` in a record listing of `prefix`: the catalog's
+/// mark, so that "after `a/b`" starts after the record of `a/b` itself.
+pub fn after_mark(prefix: &str) -> &'static str {
+    if prefix == RecordKey::CATALOG {
+        RecordKey::CATALOG_MARK
+    } else {
+        ""
     }
 }
 
@@ -285,6 +313,26 @@ pub trait ObjectStore: Send + Sync + 'static {
 
     /// Every record whose key starts with `prefix` (itself starting with `_records/`).
     async fn list_records(&self, prefix: &str) -> Result<Vec<RecordKey>, StoreError>;
+
+    /// A page of [`list_records`](Self::list_records): at most `limit` records whose key
+    /// starts with `prefix`, in byte order, after `prefix` + `after` when given. On S3 one
+    /// listing request for a page up to 1,000, so a listing page costs the same however
+    /// many records the prefix holds. The default lists them all and cuts the page out.
+    async fn list_records_page(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<RecordKey>, StoreError> {
+        let from = after.map(|a| format!("{prefix}{a}{}", after_mark(prefix)));
+        let mut keys = self.list_records(prefix).await?;
+        keys.sort_by(|a, b| a.as_str().as_bytes().cmp(b.as_str().as_bytes()));
+        Ok(keys
+            .into_iter()
+            .filter(|k| from.as_deref().is_none_or(|f| k.as_str() > f))
+            .take(limit)
+            .collect())
+    }
 
     /// A URL from which a client may GET the published object directly for `ttl`, when
     /// the backend has such URLs (S3 presigned URLs); `None` otherwise.

@@ -837,6 +837,42 @@ impl ObjectStore for S3Store {
             .filter_map(|(k, _)| RecordKey::parse(&k[self.prefix.len()..]))
             .collect())
     }
+
+    async fn list_records_page(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<RecordKey>, StoreError> {
+        if !prefix.starts_with(RecordKey::ALL) || limit == 0 {
+            return Ok(Vec::new());
+        }
+        let full = format!("{}{prefix}", self.prefix);
+        let mut req = self
+            .client
+            .list_objects_v2()
+            .bucket(&self.bucket)
+            .prefix(&full)
+            // S3 lists in UTF-8 byte order, the order of the index's keys.
+            .max_keys(limit.min(1000) as i32);
+        if let Some(a) = after {
+            req = req.start_after(format!("{full}{a}{}", super::after_mark(prefix)));
+        }
+        let mut pages = req.into_paginator().send();
+        let mut out = Vec::new();
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| io_err(format!("listing {full}"), e))?;
+            for k in page.contents().iter().filter_map(|o| o.key()) {
+                if let Some(key) = RecordKey::parse(&k[self.prefix.len()..]) {
+                    out.push(key);
+                }
+                if out.len() == limit {
+                    return Ok(out);
+                }
+            }
+        }
+        Ok(out)
+    }
 }
 
 impl S3Store {

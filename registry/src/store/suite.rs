@@ -28,6 +28,37 @@ pub async fn run(store: &dyn ObjectStore) {
     staged_offset_is_checked(store).await;
     concurrent_publish_of_same_content(store).await;
     records_are_compare_and_swap(store).await;
+    records_list_in_pages(store).await;
+}
+
+async fn records_list_in_pages(store: &dyn ObjectStore) {
+    use super::RecordKey;
+    let prefix = RecordKey::CATALOG;
+    let names = ["pages/a", "pages/b", "pages/b/c", "pages/d", "pages/e"];
+    for n in names {
+        let repo = amber_oci::names::RepoName::parse(n).unwrap();
+        store
+            .put_record(&RecordKey::repo(&repo), Bytes::new(), None)
+            .await
+            .unwrap()
+            .expect("created");
+    }
+    let page = |after: Option<&'static str>, limit| async move {
+        store
+            .list_records_page(prefix, after, limit)
+            .await
+            .unwrap()
+            .iter()
+            .map(|k| k.catalog_repo().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    // In byte order ("pages/b" < "pages/b/c" < "pages/d"), after the named one.
+    assert_eq!(page(None, 2).await, ["pages/a", "pages/b"]);
+    assert_eq!(page(Some("pages/b"), 2).await, ["pages/b/c", "pages/d"]);
+    assert_eq!(page(Some("pages/d"), 10).await, ["pages/e"]);
+    assert!(page(Some("pages/e"), 10).await.is_empty());
+    // A name that is not there starts the page after where it would be.
+    assert_eq!(page(Some("pages/c"), 1).await, ["pages/d"]);
 }
 
 async fn records_are_compare_and_swap(store: &dyn ObjectStore) {
