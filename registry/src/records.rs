@@ -188,13 +188,22 @@ impl Registry {
         Ok(())
     }
 
-    /// Brings the index's tags of `repo` up to date with the store.
-    pub async fn refresh_tags(&self, repo: &RepoName) -> Result<(), RecordError> {
+    /// Brings the index's tags of `repo` up to date with the store for a tag-list page:
+    /// the first `n` names after `after` (one listing request). A listing needs only the
+    /// names, so only tags the index does not know are read (tags are resolved from the
+    /// store's records whatever the index holds).
+    pub async fn refresh_tags(
+        &self,
+        repo: &RepoName,
+        after: Option<&str>,
+        n: usize,
+    ) -> Result<(), RecordError> {
         if !self.shared() {
             return Ok(());
         }
         let prefix = format!("_records/repos/{repo}/_tags/");
-        for key in self.listed(&prefix).await {
+        let page = self.store.list_records_page(&prefix, after, n).await;
+        for key in served_from_index(&prefix, page) {
             let Some(tag) = key
                 .as_str()
                 .strip_prefix(&prefix)
@@ -202,6 +211,9 @@ impl Registry {
             else {
                 continue;
             };
+            if self.index.tag(repo, &tag)?.is_some() {
+                continue;
+            }
             if let Some(digest) = self.tag(repo, &tag).await? {
                 if self.manifest(repo, &digest).await?.is_some() {
                     self.index.put_repo(repo)?;

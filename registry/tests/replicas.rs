@@ -3,7 +3,9 @@
 //! once; eight clients moving one tag through both end with one winner both report; a
 //! replica killed with SIGKILL mid-push loses nothing acknowledged; `reindex` rebuilds an
 //! index that answers every query as the old one did; a replica killed in the middle of a
-//! conversion and of an upload leaves both for the other replica to finish.
+//! conversion and of an upload leaves both for the other replica to finish; catalog and
+//! tag-list pages cost one listing request each, and list in name order through the
+//! other replica.
 
 mod common;
 
@@ -359,12 +361,51 @@ fn tokio_stream_from(
     futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|v| (v, rx)) })
 }
 
-/// Over a shared bucket a catalog page reads only its own range of the store's catalog
-/// records (one listing request, however many repositories there are): repositories
-/// pushed through one replica, names inside other names included, page through the
-/// other in name order.
+/// Pages of `path` (`key` holds each page's names) read through `s` with n=2, with the
+/// S3 listing requests each page cost.
+async fn pages_of(s: &Server, path: &str, key: &str) -> (Vec<String>, Vec<f64>) {
+    let lists = || async {
+        metrics_text(s)
+            .await
+            .lines()
+            .filter(|l| {
+                l.starts_with("amber_s3_requests_total{") && l.contains("op=\"ListObjectsV2\"")
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum::<f64>()
+    };
+    let (mut seen, mut costs, mut last) = (Vec::new(), Vec::new(), None::<String>);
+    loop {
+        let url = match &last {
+            Some(l) => format!("{path}?n=2&last={l}"),
+            None => format!("{path}?n=2"),
+        };
+        let before = lists().await;
+        let r = client().get(s.url(&url)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{url}");
+        let more = r.headers().get("link").is_some();
+        let v: Value = r.json().await.unwrap();
+        costs.push(lists().await - before);
+        let page: Vec<String> = v[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_str().unwrap().to_string())
+            .collect();
+        seen.extend(page.clone());
+        if !more {
+            return (seen, costs);
+        }
+        last = page.last().cloned();
+    }
+}
+
+/// Over a shared bucket a catalog or tag-list page reads only its own range of the
+/// store's records (one listing request, however many repositories or tags there are):
+/// repositories pushed through one replica, names inside other names included, and
+/// their tags, page through the other in name order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_catalog_pages_through_the_other_replica_one_listing_per_page() {
+async fn the_catalog_and_tags_page_through_the_other_replica_one_listing_per_page() {
     let prefix = format!("catalog-{}/", uuid::Uuid::new_v4());
     let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     // Long leases: no background sweep lists the bucket while the requests are counted.
@@ -374,43 +415,20 @@ async fn the_catalog_pages_through_the_other_replica_one_listing_per_page() {
     for repo in ["cat/a", "cat/a/b", "cat/c", "cat/a-b", "cat/b"] {
         push_blob(&a, repo, repo.as_bytes()).await;
     }
-    let lists = || async {
-        metrics_text(&b)
-            .await
-            .lines()
-            .filter(|l| {
-                l.starts_with("amber_s3_requests_total{") && l.contains("op=\"ListObjectsV2\"")
-            })
-            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-            .sum::<f64>()
-    };
-    let (mut seen, mut last) = (Vec::new(), None::<String>);
-    loop {
-        let path = match &last {
-            Some(l) => format!("/v2/_catalog?n=2&last={l}"),
-            None => "/v2/_catalog?n=2".to_string(),
-        };
-        let before = lists().await;
-        let r = client().get(b.url(&path)).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        let more = r.headers().get("link").is_some();
-        let v: Value = r.json().await.unwrap();
-        assert_eq!(
-            lists().await - before,
-            1.0,
-            "one listing for the page {path}"
-        );
-        let page: Vec<String> = v["repositories"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|r| r.as_str().unwrap().to_string())
-            .collect();
-        seen.extend(page.clone());
-        if !more {
-            break;
-        }
-        last = page.last().cloned();
+    let m = image_manifest(&a, "cat/c", "tags", "").await;
+    for t in ["v3", "v1", "v5", "v2", "v4"] {
+        assert_eq!(put_manifest(&a, "cat/c", t, OCI, &m).await.status(), 201);
     }
+    let (seen, costs) = pages_of(&b, "/v2/_catalog", "repositories").await;
+    assert!(
+        costs.iter().all(|&c| c == 1.0),
+        "listings per page: {costs:?}"
+    );
     assert_eq!(seen, ["cat/a", "cat/a-b", "cat/a/b", "cat/b", "cat/c"]);
+    let (tags, costs) = pages_of(&b, "/v2/cat/c/tags/list", "tags").await;
+    assert_eq!(tags, ["v1", "v2", "v3", "v4", "v5"]);
+    assert!(
+        costs.iter().all(|&c| c == 1.0),
+        "listings per page: {costs:?}"
+    );
 }

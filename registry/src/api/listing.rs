@@ -51,7 +51,8 @@ fn paged(path: &str, body: Value, items: &[String], more: bool, n: usize) -> Res
 
 pub async fn tags(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Response> {
     let (last, n) = page_params(&req)?;
-    reg.refresh_tags(&name).await?;
+    // The page's names and the one after them (which says whether more follow).
+    reg.refresh_tags(&name, last.as_deref(), n + 1).await?;
     if !reg.index.repo_exists(&name)? {
         return Err(ApiError::name_unknown(&name));
     }
