@@ -221,10 +221,6 @@ impl FsStore {
         self.root.join(key.as_str())
     }
 
-    fn record_path(&self, key: &RecordKey) -> PathBuf {
-        self.root.join(key.as_str())
-    }
-
     fn staged(&self, id: &str) -> Result<PathBuf, StoreError> {
         if !amber_oci::names::upload_id_ok(id) {
             return Err(StoreError::NotFound(format!("staged upload {id:?}")));
@@ -232,7 +228,6 @@ impl FsStore {
         Ok(self.root.join("_staging").join(id))
     }
 
-    /// Links complete file `src` to `dst` (no replace), then makes the link durable.
     /// Staged object `id`, opened, once it is checked to hold at least `len` bytes; with
     /// `cut`, anything past `len` is removed (durably) first.
     async fn staged_holding(
@@ -272,6 +267,7 @@ impl FsStore {
         .expect("open task")
     }
 
+    /// Links complete file `src` to `dst` (no replace), then makes the link durable.
     async fn link_durably(&self, src: &Path, dst: &Path) -> Result<(), StoreError> {
         let dir = dst.parent().expect("object keys have a parent");
         tokio::fs::create_dir_all(dir)
@@ -290,14 +286,32 @@ impl FsStore {
     }
 }
 
-/// Reads a small file (a record, a manifest) on the calling thread, an async worker
-/// included. A round trip through the blocking pool (`tokio::fs`) or `block_in_place`
-/// costs more than reading a file in the page cache: manifest GETs by tag (two such
-/// reads each) went from 26,500 to 44,000 a second with 64 connections, p99 4.8 ->
-/// 3.7 ms (`block_in_place`: 38,800 a second but p99 10.7 ms). The price: a page-cache
-/// miss holds one worker for one small read from the local disk.
-fn read_small(path: &Path) -> io::Result<Vec<u8>> {
-    std::fs::read(path)
+/// Files up to this size are read on the calling thread (see [`read_whole`]).
+const INLINE_READ_MAX: u64 = 1 << 20;
+
+/// Reads a whole file: a small one (a record, a manifest, a config) on the calling
+/// thread, an async worker included; a larger one (a block-manifest envelope of a big
+/// image) in the blocking pool. A round trip through the blocking pool (`tokio::fs`) or
+/// `block_in_place` costs more than reading a small file in the page cache: manifest
+/// GETs by tag (two such reads each) went from 26,500 to 44,000 a second with 64
+/// connections, p99 4.8 -> 3.7 ms (`block_in_place`: 38,800 a second, p99 10.7 ms).
+/// The price: a page-cache miss holds one worker for one small read of the local disk.
+async fn read_whole(path: PathBuf) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(&path)?;
+    let len = f.metadata()?.len();
+    let read = move |f: &mut std::fs::File| -> io::Result<Vec<u8>> {
+        let mut out = Vec::with_capacity(len as usize);
+        f.read_to_end(&mut out)?;
+        Ok(out)
+    };
+    if len <= INLINE_READ_MAX {
+        read(&mut f)
+    } else {
+        tokio::task::spawn_blocking(move || read(&mut f))
+            .await
+            .expect("read task")
+    }
 }
 
 fn not_found_or_io(what: String, e: io::Error) -> StoreError {
@@ -345,9 +359,8 @@ impl ObjectStore for FsStore {
     }
 
     async fn read_all(&self, key: &ObjectKey) -> Result<Bytes, StoreError> {
-        // Whole reads are of small objects (manifests, configs, envelopes): read in place,
-        // not through the blocking pool (see `read_small`).
-        read_small(&self.path(key))
+        read_whole(self.path(key))
+            .await
             .map(Bytes::from)
             .map_err(|e| not_found_or_io(key.as_str().to_string(), e))
     }
@@ -525,7 +538,7 @@ impl ObjectStore for FsStore {
     }
 
     async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError> {
-        match read_small(&self.record_path(key)) {
+        match read_whole(self.root.join(key.as_str())).await {
             Ok(v) => {
                 let version = record_version(&v);
                 Ok(Some((Bytes::from(v), version)))
@@ -548,7 +561,7 @@ impl ObjectStore for FsStore {
         if current.as_ref() != expected {
             return Ok(None);
         }
-        let dst = self.record_path(key);
+        let dst = self.root.join(key.as_str());
         let tmp = self
             .root
             .join("_tmp")
@@ -573,7 +586,7 @@ impl ObjectStore for FsStore {
 
     async fn delete_record(&self, key: &RecordKey) -> Result<(), StoreError> {
         let _guard = self.records.lock().await;
-        let path = self.record_path(key);
+        let path = self.root.join(key.as_str());
         let what = key.as_str().to_string();
         tokio::task::spawn_blocking(move || -> io::Result<()> {
             match std::fs::remove_file(&path) {
