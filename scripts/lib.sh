@@ -8,12 +8,14 @@ mkdir -p "$RUN_DIR"
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
-# Debian packages the build, the tests and the demo need.
+# Debian packages the build, the tests and the demo need (chromium and its driver: the
+# catalog pages' browser test).
 DEB_PACKAGES=(
   librocksdb-dev libclang-dev clang pkg-config
   docker.io skopeo buildah podman docker-registry uidmap
   busybox-static erofs-utils curl file debootstrap attr mount
   e2fsprogs kmod
+  chromium chromium-driver
 )
 # PyPI packages the tests need (moto: an S3-compatible server; 5.2.2+ answers
 # CompleteMultipartUpload with the element name the AWS SDKs expect).

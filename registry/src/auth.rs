@@ -442,9 +442,48 @@ impl Auth {
         (token, claims)
     }
 
+    /// A session of the catalog pages for `account`, valid for `ttl`: a token with no
+    /// access of its own (the account's rights as the users file has them apply at each
+    /// request) and an audience of its own, so the API never takes it as a bearer token.
+    pub fn issue_session(&self, account: &Account, ttl: Duration) -> String {
+        let now = crate::clock::now_unix();
+        let claims = Claims {
+            iss: "amber".into(),
+            sub: account.name.clone(),
+            aud: self.session_audience(),
+            exp: now + ttl.as_secs(),
+            nbf: now.saturating_sub(5),
+            iat: now,
+            jti: uuid::Uuid::new_v4().to_string(),
+            access: Vec::new(),
+        };
+        jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            &claims,
+            &EncodingKey::from_secret(&self.key),
+        )
+        .expect("HS256 encodes")
+    }
+
+    /// The account of a catalog-page session, as the users file has it now.
+    pub fn session_account(&self, token: &str) -> Result<Account, Refusal> {
+        let claims = self.verify_for(token, &self.session_audience())?;
+        self.account(&claims.sub).ok_or_else(|| {
+            Refusal::Unauthenticated(format!("account {:?} no longer exists", claims.sub))
+        })
+    }
+
+    fn session_audience(&self) -> String {
+        format!("{}/ui", self.service)
+    }
+
     fn verify_token(&self, token: &str) -> Result<Claims, Refusal> {
+        self.verify_for(token, &self.service)
+    }
+
+    fn verify_for(&self, token: &str, audience: &str) -> Result<Claims, Refusal> {
         let mut v = Validation::new(Algorithm::HS256);
-        v.set_audience(&[&self.service]);
+        v.set_audience(&[audience]);
         v.set_issuer(&["amber"]);
         v.leeway = 0;
         v.validate_nbf = true;

@@ -128,6 +128,7 @@ impl Registry {
                 error: None,
                 env_digest: None,
                 updated_unix: item.queued_unix,
+                started_unix: None,
             }))
     }
 }
@@ -196,6 +197,7 @@ pub async fn enqueue(reg: &Arc<Registry>, repo: &RepoName, image: &Digest) -> an
         error: None,
         env_digest: None,
         updated_unix: now,
+        started_unix: None,
     };
     reg.index.put_conversion(image, &queued)?;
     run_here(reg, image.clone());
@@ -342,6 +344,7 @@ async fn claim_and_convert(reg: &Arc<Registry>, image: &Digest) -> anyhow::Resul
         error: None,
         env_digest: None,
         updated_unix: now_unix(),
+        started_unix: Some(now_unix()),
     };
     reg.index.put_conversion(image, &c)?;
     metrics::counter!(CONVERSIONS_STARTED).increment(1);
@@ -379,6 +382,11 @@ async fn claim_and_convert(reg: &Arc<Registry>, image: &Digest) -> anyhow::Resul
         (ConversionState::Done, Some(env)) => {
             reg.index.finish_conversion(image, env, &kept)?;
             tracing::info!(%image, %env, "conversion done");
+            // The env's summary for the catalog pages and the totals (derived: a failure
+            // here is retried by the next view or restart).
+            if let Err(e) = crate::envs::info(reg, env).await {
+                tracing::warn!(%env, error = %e, "summarizing the new env");
+            }
         }
         _ => reg.index.put_conversion(image, &kept)?,
     }

@@ -9,6 +9,9 @@
 //!   `convert` (converting one image), `convert_queue` (the conversion queue shared by
 //!   replicas: work items, leases), `fsck`, `reindex`: the domain, called by the
 //!   handlers and the command-line tools alike;
+//! - `ui` (the catalog pages under `/ui/`: HTML over the same domain calls, the same
+//!   accounts and rights), reached only through `api`'s dispatcher;
+//! - `envs` (env summaries, sharing, the stored-bytes history);
 //! - `records` (repository records: the store's truth that the index caches),
 //!   `uploads` (upload session records, recovery and expiry), `registry` (shared state,
 //!   opening), `auth` (accounts, tokens);
@@ -25,6 +28,7 @@ pub mod config;
 pub mod convert;
 pub mod convert_queue;
 pub mod docker_config;
+pub mod envs;
 pub mod fsck;
 pub mod index;
 pub mod metrics;
@@ -35,5 +39,6 @@ pub mod reindex;
 pub mod repository;
 pub mod server;
 pub mod store;
+pub mod ui;
 pub mod uploads;
 pub mod upstream;

@@ -156,3 +156,81 @@ pub async fn store_manifest(
     crate::convert_queue::on_manifest_pushed(reg, repo, &digest, &parsed).await;
     Ok(PushedManifest { digest, parsed })
 }
+
+/// Why an image's conversion could not be looked up.
+#[derive(Debug, thiserror::Error)]
+pub enum LookupError {
+    #[error("index {0} has no linux/amd64 image")]
+    NoLinuxAmd64(Digest),
+    #[error("stored index {digest} is unreadable: {source}")]
+    CorruptIndex {
+        digest: Digest,
+        #[source]
+        source: ManifestError,
+    },
+    #[error("the index's env digest {0:?} is not an env digest")]
+    CorruptEnv(String),
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Index(#[from] crate::index::IndexError),
+}
+
+/// The image a stored manifest stands for, and where its conversion stands.
+pub struct ImageConversion {
+    /// The manifest itself, or an index's linux/amd64 entry.
+    pub image: Digest,
+    pub env: Option<amber_converter::manifest::EnvDigest>,
+    pub state: amber_api::registry::ConversionState,
+    /// The conversion record (error, times), when there is one.
+    pub record: Option<crate::index::Conversion>,
+}
+
+/// The image manifest `digest` (of media type `media_type`) stands for and its conversion:
+/// what `resolve` answers and the catalog pages show.
+pub async fn image_conversion(
+    reg: &Registry,
+    digest: &Digest,
+    media_type: &str,
+) -> Result<ImageConversion, LookupError> {
+    use amber_api::registry::ConversionState as State;
+    use amber_oci::manifest::ManifestKind;
+    let mut image = digest.clone();
+    if ManifestKind::of(media_type) == Some(ManifestKind::Index) {
+        let bytes = reg.store.read_all(&ObjectKey::blob(digest)).await?;
+        let index = parse_manifest(&bytes, Some(media_type)).map_err(|source| {
+            LookupError::CorruptIndex {
+                digest: digest.clone(),
+                source,
+            }
+        })?;
+        image = index
+            .linux_amd64()
+            .map(|d| d.digest.clone())
+            .ok_or_else(|| LookupError::NoLinuxAmd64(digest.clone()))?;
+    }
+    // Another replica may have converted it: the store's record fills the index.
+    let record = reg.conversion(&image).await?;
+    let env = match reg.index.image_env(&image)? {
+        Some(e) => Some(e.parse().map_err(|_| LookupError::CorruptEnv(e))?),
+        None => None,
+    };
+    let state = match (&env, &record) {
+        (Some(_), _) => State::Done,
+        (None, Some(c)) => match c.state {
+            crate::index::ConversionState::Queued => State::Queued,
+            crate::index::ConversionState::Running => State::Running,
+            crate::index::ConversionState::Done => State::Done,
+            crate::index::ConversionState::Failed => State::Failed,
+        },
+        (None, None) => State::None,
+    };
+    Ok(ImageConversion {
+        image,
+        env,
+        state,
+        record,
+    })
+}

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use amber_converter::manifest::ManifestEnvelope;
+use amber_testkit::browser::Browser;
 use common::*;
 use sha2::Digest as _;
 
@@ -345,6 +346,190 @@ async fn compare(s: &Server, name: &str, work: &Path) -> Vec<String> {
     diffs
 }
 
+/// Adds an account to the users file `users`, with `secret` as its password.
+fn add_user(users: &Path, name: &str, secret: &str, rights: &[&str]) {
+    let mut child = Command::new(workspace_bin("amber-registry"))
+        .args(["user", "add", name, "--users"])
+        .arg(users)
+        .args(rights)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(
+        &mut child.stdin.take().unwrap(),
+        format!("{secret}\n").as_bytes(),
+    )
+    .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "adding {name}: {out:?}");
+}
+
+/// The repositories the page lists.
+async fn listed(b: &Browser) -> Vec<String> {
+    let mut v = Vec::new();
+    for a in b.find_all("#repositories a").await {
+        v.push(a.text().await.unwrap());
+    }
+    v
+}
+
+/// Signs in through the form; the browser lands on `next` (or the login page again).
+async fn sign_in(b: &Browser, s: &Server, user: &str, secret: &str) {
+    b.goto(&s.url("/ui/")).await;
+    assert!(
+        b.url().await.contains("/ui/login"),
+        "a viewer who has not signed in is sent to the sign-in page, not {}",
+        b.url().await
+    );
+    b.fill("input[name=user]", user).await;
+    b.fill("input[name=password]", secret).await;
+    b.click("#sign-in").await;
+}
+
+/// The catalog pages in headless Chromium over the registry holding the fidelity
+/// images, restarted with accounts: alice may pull every `fidelity/` repository, carol
+/// only `fidelity/python-pip`. Screenshots of each page go to the test's output directory.
+async fn browse_the_catalog_pages(s: Server, envs: &BTreeMap<&str, String>) {
+    let users = s.data.join("users.toml");
+    add_user(&users, "alice", "alice-pw", &["--pull", "fidelity"]);
+    add_user(
+        &users,
+        "carol",
+        "carol-pw",
+        &["--pull", "fidelity/python-pip"],
+    );
+    let s = s.restart_with(&["--auth", "token", "--users", users.to_str().unwrap()]);
+    let shots = test_output("catalog-pages");
+    let b = Browser::start().await;
+
+    sign_in(&b, &s, "alice", "wrong").await;
+    assert!(
+        b.page_text().await.contains("Wrong user name or password"),
+        "a wrong password is told as such: {}",
+        b.page_text().await
+    );
+    b.screenshot(&shots.join("0-sign-in-refused.png")).await;
+    sign_in(&b, &s, "alice", "alice-pw").await;
+    assert!(
+        b.url().await.ends_with("/ui/"),
+        "signed in: {}",
+        b.url().await
+    );
+    assert_eq!(b.text("#total-images").await, "4", "four images converted");
+    assert_eq!(b.text("#total-envs").await, "4", "four envs");
+    let home = b.text("#repositories").await;
+    for name in envs.keys() {
+        assert!(
+            home.contains(&format!("fidelity/{name}")),
+            "{name} listed: {home}"
+        );
+    }
+    b.find("#history").await;
+    b.screenshot(&shots.join("1-home.png")).await;
+
+    // Search finds an image by name; its page shows the env resolve gives.
+    b.fill("input[name=q]", "node").await;
+    b.click("header button[type=submit]").await;
+    assert_eq!(
+        listed(&b).await,
+        ["fidelity/node-npm"],
+        "searching \"node\""
+    );
+    b.screenshot(&shots.join("2-search.png")).await;
+    b.click("#repositories a").await;
+    assert_eq!(b.text("h1").await, "fidelity/node-npm");
+    b.screenshot(&shots.join("3-repository.png")).await;
+    b.click("#tags a").await;
+    assert_eq!(
+        b.text("#env-digest").await,
+        envs["node-npm"],
+        "the page's env is resolve's"
+    );
+    assert_eq!(b.text("#platform").await, "linux/amd64");
+    assert!(
+        b.text("#conversion").await.starts_with("converted"),
+        "{}",
+        b.text("#conversion").await
+    );
+    assert!(b.text("#env-chunks").await.contains("chunks"));
+    assert!(b.text("#env-shared").await.contains(" of "));
+    assert!(
+        b.find_all("#layers tr").await.len() > 2,
+        "the layers are listed"
+    );
+    assert!(
+        b.text("#run-cli")
+            .await
+            .contains(&format!("{}/fidelity/node-npm@sha256:", s.addr)),
+        "the command to copy pins the image by digest: {}",
+        b.text("#run-cli").await
+    );
+    assert!(b
+        .text("#referrers")
+        .await
+        .contains("application/vnd.amber.block-manifest"));
+    b.screenshot(&shots.join("4-image.png")).await;
+    b.click("header form[action='/ui/logout'] button").await;
+    assert!(
+        b.url().await.contains("/ui/login"),
+        "signed out: {}",
+        b.url().await
+    );
+
+    // carol sees only what she may pull, wherever she looks.
+    sign_in(&b, &s, "carol", "carol-pw").await;
+    assert_eq!(listed(&b).await, ["fidelity/python-pip"], "carol's catalog");
+    b.goto(&s.url("/ui/search?q=fidelity")).await;
+    assert_eq!(listed(&b).await, ["fidelity/python-pip"], "carol's search");
+    b.goto(&s.url("/ui/r/fidelity/node-npm")).await;
+    assert!(b
+        .page_text()
+        .await
+        .contains("no repository fidelity/node-npm that you may pull"));
+    b.goto(&s.url("/ui/i/fidelity/node-npm/v1")).await;
+    assert!(b
+        .page_text()
+        .await
+        .contains("no repository fidelity/node-npm that you may pull"));
+    b.screenshot(&shots.join("5-not-visible.png")).await;
+    b.close().await;
+    // The same over plain HTTP: 404 for what carol may not pull (as for what does not
+    // exist), the sign-in page for a request without credentials.
+    let carol = format!(
+        "Basic {}",
+        base64::Engine::encode(&base64::engine::general_purpose::STANDARD, "carol:carol-pw")
+    );
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    for (path, auth, status) in [
+        ("/ui/r/fidelity/node-npm", Some(&carol), 404),
+        ("/ui/r/fidelity/no-such-thing", Some(&carol), 404),
+        ("/ui/r/fidelity/python-pip", Some(&carol), 200),
+        ("/ui/r/fidelity/python-pip", None, 303),
+    ] {
+        let mut r = http.get(s.url(path));
+        if let Some(a) = auth {
+            r = r.header("Authorization", a.as_str());
+        }
+        let r = r.send().await.unwrap();
+        assert_eq!(
+            r.status().as_u16(),
+            status,
+            "{path} with credentials {}",
+            auth.is_some()
+        );
+        assert!(
+            r.headers().contains_key("server-timing"),
+            "{path}: render time given"
+        );
+    }
+    eprintln!("catalog page screenshots in {}", shots.display());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn docker_export_equals_the_tree_in_amber_s_erofs_device() {
     let rootfs = std::env::var("AMBER_TEST_DEBIAN_ROOTFS")
@@ -397,6 +582,11 @@ async fn docker_export_equals_the_tree_in_amber_s_erofs_device() {
         std::fs::remove_dir_all(work.path().join(format!("{name}.full"))).unwrap();
         std::fs::remove_file(&archive).unwrap();
     }
+    let mut envs = BTreeMap::new();
+    for name in ["debian-apt", "python-pip", "node-npm", "special"] {
+        envs.insert(name, env_of(&s, &format!("fidelity/{name}")).await);
+    }
+    browse_the_catalog_pages(s, &envs).await;
     assert!(
         diffs.is_empty(),
         "{} differences:\n{}",

@@ -127,16 +127,18 @@ impl Registry {
     }
 
     /// Stops the process and starts it again on the same address, data and arguments.
-    pub fn restart(mut self) -> Registry {
-        let (data, addr, extra, tmp) = (
-            self.data.clone(),
-            self.addr.clone(),
-            self.extra.clone(),
-            self._tmp.take(),
-        );
-        drop(self);
+    pub fn restart(self) -> Registry {
+        let extra = self.extra.clone();
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-        let mut r = Registry::start_at(&data, &addr, &extra);
+        self.restart_with(&extra)
+    }
+
+    /// Stops the process and starts it again on the same address and data, with `extra`
+    /// as its further arguments.
+    pub fn restart_with(mut self, extra: &[&str]) -> Registry {
+        let (data, addr, tmp) = (self.data.clone(), self.addr.clone(), self._tmp.take());
+        drop(self);
+        let mut r = Registry::start_at(&data, &addr, extra);
         r._tmp = tmp;
         r
     }

@@ -32,6 +32,18 @@ pub fn workspace_bin(name: &str) -> PathBuf {
     bin
 }
 
+/// A directory for what a test leaves to be looked at (screenshots): under
+/// `$AMBER_TEST_OUTPUT` (scripts/test sets it), else `<target>/test-output`; emptied first.
+pub fn test_output(name: &str) -> PathBuf {
+    let root = std::env::var_os("AMBER_TEST_OUTPUT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| target_dir().join("test-output"));
+    let dir = root.join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
+    dir
+}
+
 /// The repository root (for fixtures/).
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -1,8 +1,7 @@
 //! The amber API under `/amber/v1/` over HTTP; its types and paths are `amber_api::registry`'s.
 
-use amber_api::registry::{ConversionState, ImportRequest, Resolve, IMPORTS_PATH};
+use amber_api::registry::{ImportRequest, Resolve, IMPORTS_PATH};
 use amber_converter::manifest::{ChunkId, EnvDigest};
-use amber_oci::manifest::{parse_manifest, ManifestKind};
 use amber_oci::reference::ImageRef;
 use axum::extract::Request;
 use axum::http::{header, Method, StatusCode};
@@ -104,51 +103,33 @@ async fn resolve(
         Err(e) => return Err(e),
     };
     // An index resolves to its linux/amd64 image.
-    let mut image = digest.clone();
-    if ManifestKind::of(&rec.media_type) == Some(ManifestKind::Index) {
-        let bytes = reg.store.read_all(&ObjectKey::blob(&digest)).await?;
-        let index = parse_manifest(&bytes, Some(&rec.media_type))
-            .map_err(|e| ApiError::internal("stored index", e))?;
-        image = index
-            .linux_amd64()
-            .map(|d| d.digest.clone())
-            .ok_or_else(|| {
-                ApiError::new(
-                    StatusCode::NOT_FOUND,
-                    "MANIFEST_UNKNOWN",
-                    format!("index {digest} has no linux/amd64 image"),
-                )
-            })?;
-    }
-    // Another replica may have converted it: the store's record fills the index.
-    let conv = reg.conversion(&image).await?;
-    let env: Option<EnvDigest> = reg
-        .index
-        .image_env(&image)?
-        .map(|e| e.parse())
-        .transpose()
-        .map_err(|e| ApiError::internal("the index's env digest", e))?;
-    let state = match (&env, &conv) {
-        (Some(_), _) => ConversionState::Done,
-        (None, Some(c)) => match c.state {
-            crate::index::ConversionState::Queued => ConversionState::Queued,
-            crate::index::ConversionState::Running => ConversionState::Running,
-            crate::index::ConversionState::Done => ConversionState::Done,
-            crate::index::ConversionState::Failed => ConversionState::Failed,
-        },
-        (None, None) => ConversionState::None,
-    };
+    let found = crate::repository::image_conversion(reg, &digest, &rec.media_type)
+        .await
+        .map_err(lookup_error)?;
     let body = Resolve {
         name: name.to_string(),
         reference: r.to_string(),
         manifest_digest: digest,
-        image_digest: image,
-        env_digest: env,
-        state,
-        error: conv.and_then(|c| c.error),
+        image_digest: found.image,
+        env_digest: found.env,
+        state: found.state,
+        error: found.record.and_then(|c| c.error),
         source: rec.source,
     };
     Ok((StatusCode::OK, axum::Json(body)).into_response())
+}
+
+fn lookup_error(e: crate::repository::LookupError) -> ApiError {
+    use crate::repository::LookupError;
+    match e {
+        LookupError::NoLinuxAmd64(_) => {
+            ApiError::new(StatusCode::NOT_FOUND, "MANIFEST_UNKNOWN", e.to_string())
+        }
+        LookupError::Record(e) => e.into(),
+        LookupError::Store(e) => e.into(),
+        LookupError::Index(e) => e.into(),
+        e => ApiError::internal("looking up the image's conversion", e),
+    }
 }
 
 async fn env_manifest(reg: &AppState, env: EnvDigest) -> ApiResult<Response> {

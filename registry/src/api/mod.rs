@@ -1,4 +1,5 @@
-//! The HTTP surface: the OCI Distribution v1.1 API under `/v2/`, and `/metrics`.
+//! The HTTP surface: the OCI Distribution v1.1 API under `/v2/`, amber's API under
+//! `/amber/v1/`, the catalog pages under `/ui/` (`crate::ui`), and `/metrics`.
 //!
 //! Repository names contain `/`, so every `/v2/` request goes through one dispatcher
 //! that parses the path with `names::Route` and picks the handler by method and route.
@@ -43,6 +44,9 @@ pub fn router(registry: AppState) -> Router {
 async fn dispatch(State(reg): State<AppState>, req: Request) -> Response {
     if req.uri().path() == "/token" {
         return access::token(&reg, req).await;
+    }
+    if req.uri().path() == "/ui" || req.uri().path().starts_with("/ui/") {
+        return crate::ui::dispatch(&reg, req).await;
     }
     if req.uri().path().starts_with("/amber/") {
         let principal = match access::check(&reg, &req, &access::need_of_amber(req.uri().path())) {
@@ -132,6 +136,8 @@ async fn observe(req: Request, next: Next) -> Response {
     let path = req.uri().path().to_string();
     let route = if path == "/metrics" {
         "metrics"
+    } else if path == "/ui" || path.starts_with("/ui/") {
+        "ui"
     } else if let Some(rest) = path.strip_prefix("/amber/v1/") {
         match rest.split('/').next() {
             Some("resolve") => "amber_resolve",

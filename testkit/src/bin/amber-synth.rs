@@ -202,27 +202,7 @@ impl Client {
                 return Ok(());
             }
             // 202: not mountable here; finish the session it opened with the bytes.
-            let location = resp
-                .headers()
-                .get("location")
-                .and_then(|l| l.to_str().ok())
-                .ok_or_else(|| anyhow::anyhow!("mount of {digest}: 202 without a Location"))?
-                .to_string();
-            let url = if location.starts_with('/') {
-                format!("{}{location}", self.base_url)
-            } else {
-                location
-            };
-            let sep = if url.contains('?') { '&' } else { '?' };
-            self.send(
-                self.http
-                    .put(format!("{url}{sep}digest={digest}"))
-                    .header("content-type", "application/octet-stream")
-                    .body(bytes.to_vec()),
-                &format!("upload of {digest} to {repo}"),
-            )
-            .await?;
-            return Ok(());
+            return self.blob_session(repo, digest, bytes, resp).await;
         }
         let resp = self
             .send(
@@ -236,11 +216,12 @@ impl Client {
             .await?;
         if resp.status() == reqwest::StatusCode::ACCEPTED {
             // A registry without monolithic POST opened a session: PUT the bytes to it.
-            return Box::pin(self.blob_session(repo, digest, bytes, resp)).await;
+            return self.blob_session(repo, digest, bytes, resp).await;
         }
         Ok(())
     }
 
+    /// Finishes the upload session `resp` opened with `bytes` in one PUT.
     async fn blob_session(
         &self,
         repo: &str,

@@ -19,6 +19,14 @@
 //! - `conversions` image digest             -> Conversion (state of its conversion)
 //! - `image_envs` image digest              -> env digest (written once, never changed)
 //! - `chunks`     chunk id                  -> stored (compressed) size, u64 LE
+//! - `stats`      counter name              -> u64 LE (merged additions; `totals`)
+//! - `stats_history` hour (u64 BE)          -> stored bytes then, u64 LE
+//! - `envs`       env digest                -> EnvInfo (noted once)
+//! - `chunk_refs` chunk id                  -> envs naming it, u64 LE (merged additions)
+
+mod totals;
+
+pub use totals::{EnvInfo, Sharing, Totals};
 
 use std::path::Path;
 use std::sync::Mutex;
@@ -31,7 +39,7 @@ use serde::{Deserialize, Serialize};
 use amber_oci::digest::Digest;
 use amber_oci::names::{RepoName, Tag};
 
-const CFS: [&str; 10] = [
+const CFS: [&str; 14] = [
     "repos",
     "tags",
     "manifests",
@@ -42,7 +50,13 @@ const CFS: [&str; 10] = [
     "conversions",
     "image_envs",
     "chunks",
+    "stats",
+    "stats_history",
+    "envs",
+    "chunk_refs",
 ];
+/// The families whose values are counters (merge operands add).
+const COUNTER_CFS: [&str; 2] = ["stats", "chunk_refs"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum IndexError {
@@ -80,6 +94,9 @@ pub struct Conversion {
     pub error: Option<String>,
     pub env_digest: Option<String>,
     pub updated_unix: u64,
+    /// When the conversion that ran (or runs) started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_unix: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -105,6 +122,8 @@ pub struct ManifestWrite<'a> {
 pub struct Index {
     db: DB,
     tag_lock: Mutex<()>,
+    /// See `totals`: the is-it-new check and write of one key happen under its stripe.
+    stripes: [Mutex<()>; totals::STRIPES],
 }
 
 fn key2(a: &str, b: &str) -> Vec<u8> {
@@ -126,14 +145,21 @@ impl Index {
         let mut opts = Options::default();
         opts.create_if_missing(true);
         opts.create_missing_column_families(true);
-        let cfs = CFS
-            .iter()
-            .map(|n| ColumnFamilyDescriptor::new(*n, Options::default()));
+        let cfs = CFS.iter().map(|n| {
+            let mut o = Options::default();
+            if COUNTER_CFS.contains(n) {
+                o.set_merge_operator_associative("add_u64", totals::add_u64);
+            }
+            ColumnFamilyDescriptor::new(*n, o)
+        });
         let db = DB::open_cf_descriptors(&opts, path, cfs)?;
-        Ok(Index {
+        let index = Index {
             db,
             tag_lock: Mutex::new(()),
-        })
+            stripes: std::array::from_fn(|_| Mutex::new(())),
+        };
+        index.count_once()?;
+        Ok(index)
     }
 
     fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
@@ -165,15 +191,24 @@ impl Index {
     }
 
     pub fn put_blob(&self, repo: &RepoName, digest: &Digest, size: u64) -> Result<(), IndexError> {
+        let digest = digest.to_string();
+        let _stripe = self.stripe(digest.as_bytes());
         let mut b = WriteBatch::default();
-        b.put_cf(self.cf("blobs"), digest.to_string(), size.to_le_bytes());
-        b.put_cf(
-            self.cf("repo_blobs"),
-            key2(repo.as_str(), &digest.to_string()),
-            b"",
-        );
+        self.add_blob(&mut b, &digest, size)?;
+        b.put_cf(self.cf("repo_blobs"), key2(repo.as_str(), &digest), b"");
         self.add_repo(&mut b, repo.as_str())?;
         self.write_synced(b)?;
+        Ok(())
+    }
+
+    /// Records blob `digest` of `size` bytes in `b`, counted if it is new (the caller
+    /// holds the digest's stripe).
+    fn add_blob(&self, b: &mut WriteBatch, digest: &str, size: u64) -> Result<(), IndexError> {
+        if self.db.get_pinned_cf(self.cf("blobs"), digest)?.is_none() {
+            self.count(b, totals::counter::BLOBS, 1);
+            self.count(b, totals::counter::BLOB_BYTES, size);
+        }
+        b.put_cf(self.cf("blobs"), digest, size.to_le_bytes());
         Ok(())
     }
 
@@ -251,6 +286,7 @@ impl Index {
     pub fn put_manifest(&self, w: ManifestWrite<'_>) -> Result<(), IndexError> {
         let repo = w.repo.as_str();
         let digest = w.digest.to_string();
+        let _stripe = self.stripe(digest.as_bytes());
         let mut b = WriteBatch::default();
         self.add_repo(&mut b, repo)?;
         b.put_cf(
@@ -258,7 +294,7 @@ impl Index {
             key2(repo, &digest),
             serde_json::to_vec(&w.record).expect("record serializes"),
         );
-        b.put_cf(self.cf("blobs"), &digest, w.record.size.to_le_bytes());
+        self.add_blob(&mut b, &digest, w.record.size)?;
         b.put_cf(self.cf("repo_blobs"), key2(repo, &digest), b"");
         if let Some((subject, desc)) = &w.referrer {
             let mut k = key2(repo, &subject.to_string());
@@ -362,6 +398,43 @@ impl Index {
         self.page("repos", b"", last, n)
     }
 
+    /// Repository names after `after` that contain `needle` (ASCII case-insensitive) and
+    /// that `keep` accepts, at most `n`, looking at no more than `budget` names: a search
+    /// costs a bounded scan whatever the registry's size. Returns the names found and,
+    /// when the scan stopped before the end, the name to go on after.
+    pub fn search_repos(
+        &self,
+        needle: &str,
+        after: Option<&str>,
+        n: usize,
+        budget: usize,
+        keep: &dyn Fn(&str) -> bool,
+    ) -> Result<(Vec<String>, Option<String>), IndexError> {
+        let needle = needle.to_ascii_lowercase();
+        let start = after.unwrap_or("");
+        let iter = self.db.iterator_cf(
+            self.cf("repos"),
+            IteratorMode::From(start.as_bytes(), Direction::Forward),
+        );
+        let mut out = Vec::new();
+        let mut last: Option<String> = None;
+        for (seen, item) in iter.enumerate() {
+            let (k, _) = item?;
+            let name = String::from_utf8_lossy(&k);
+            if after == Some(name.as_ref()) {
+                continue;
+            }
+            if seen >= budget || out.len() == n {
+                return Ok((out, last));
+            }
+            if name.to_ascii_lowercase().contains(&needle) && keep(&name) {
+                out.push(name.to_string());
+            }
+            last = Some(name.into_owned());
+        }
+        Ok((out, None))
+    }
+
     /// Descriptors of the manifests in `repo` whose subject is `subject`.
     pub fn referrers(
         &self,
@@ -447,6 +520,7 @@ impl Index {
         }
         let mut b = WriteBatch::default();
         b.put_cf(self.cf("image_envs"), image.to_string(), env.as_bytes());
+        self.count(&mut b, totals::counter::IMAGES, 1);
         b.put_cf(
             self.cf("conversions"),
             image.to_string(),
@@ -467,8 +541,14 @@ impl Index {
 
     pub fn put_chunk(&self, id: &str, stored: u64) -> Result<(), IndexError> {
         // Not synced on its own: a lost entry only means the chunk is stat-ed again.
-        self.db
-            .put_cf(self.cf("chunks"), id, stored.to_le_bytes())?;
+        let _stripe = self.stripe(id.as_bytes());
+        let mut b = WriteBatch::default();
+        if self.db.get_pinned_cf(self.cf("chunks"), id)?.is_none() {
+            self.count(&mut b, totals::counter::CHUNKS, 1);
+            self.count(&mut b, totals::counter::CHUNK_BYTES, stored);
+        }
+        b.put_cf(self.cf("chunks"), id, stored.to_le_bytes());
+        self.db.write(b)?;
         Ok(())
     }
 }
