@@ -79,6 +79,35 @@ def reads(work, addr, images, amber):
     return res
 
 
+def ui_pages(addr, images, per_page=200):
+    """Server time of each catalog page (its `Server-Timing: render;dur=MS`), one request
+    at a time, over `per_page` random pages of each kind: p50, p99 and max in ms."""
+    import urllib.parse
+    import urllib.request
+    rnd = random.Random(2)
+    repos = sorted({r for r, _, _ in images})
+    kinds = {
+        "home (totals, chart, first 50 repositories)": lambda: "/ui/",
+        "browse (50 repositories after a random one)":
+            lambda: "/ui/search?" + urllib.parse.urlencode({"q": "", "after": rnd.choice(repos)}),
+        "search (a repository's name)": lambda: "/ui/search?" + urllib.parse.urlencode(
+            {"q": rnd.choice(repos).rsplit("/", 1)[-1]}),
+        "repository (its tags)": lambda: f"/ui/r/{rnd.choice(repos)}",
+        "image (by tag)": lambda: "/ui/i/{}/{}".format(*rnd.choice(images)[:2]),
+    }
+    out = {}
+    for kind, path in kinds.items():
+        ms = []
+        for _ in range(per_page):
+            with urllib.request.urlopen(f"http://{addr}{path()}") as r:
+                r.read()
+                timing = r.headers["Server-Timing"]
+            ms.append(float(re.search(r"dur=([\d.]+)", timing).group(1)))
+        ms.sort()
+        out[kind] = {"p50": ms[len(ms) // 2], "p99": ms[min(len(ms) - 1, int(len(ms) * 0.99))], "max": ms[-1]}
+    return out
+
+
 def du(path):
     """Apparent bytes and files under `path`."""
     if not os.path.exists(path):
@@ -130,7 +159,8 @@ def bench_scale(work, h, sizes):
             print(f"  amber: {len(images)} images in; reading", flush=True)
             entry = {"images": len(images), "push": p, "ingest_seconds": step,
                      "images_per_second": (size - (res['sizes'][-1]['images'] if res['sizes'] else 0)) / step,
-                     "reads": reads(work, s.addr, images, True), "storage": storage(s.data),
+                     "reads": reads(work, s.addr, images, True), "ui": ui_pages(s.addr, images),
+                     "storage": storage(s.data),
                      "rss_kib": h.vm_hwm_kib(s.proc.pid)}
             res["sizes"].append(entry)
     finally:
@@ -225,4 +255,29 @@ def scale_section(res):
         f"{'met' if res['peak_rss_kib'] < 512 * 1024 else 'NOT met'}.",
         "",
     ]
+    lines += ui_section(res)
+    return lines
+
+
+def ui_section(res):
+    """The catalog pages' server time at each size (issue 19)."""
+    kinds = list(res["sizes"][-1]["ui"])
+    lines = [
+        "## Catalog pages at scale (issue 19)",
+        "",
+        "The same registry as the metadata section, after each size's reads: 200 requests of each page, one at a",
+        "time, to random repositories and images; server time is the page's own `Server-Timing` (from the request",
+        "entering the catalog pages' handler to the page rendered). Goal: under 100 ms for every page at 100,000",
+        "images.",
+        "",
+        "| images | " + " | ".join(f"{k}: p50 / p99 / max (ms)" for k in kinds) + " |",
+        "|---" * (1 + len(kinds)) + "|",
+    ]
+    for e in res["sizes"]:
+        lines.append(f"| {e['images']:,} | " + " | ".join(
+            f"{r['p50']:.2f} / {r['p99']:.2f} / {r['max']:.2f}" for r in e["ui"].values()) + " |")
+    worst = max(r["max"] for r in res["sizes"][-1]["ui"].values())
+    n = res["sizes"][-1]["images"]
+    lines += ["", f"Slowest page at {n:,} images: {worst:.1f} ms, "
+              f"{'under' if worst < 100 else 'NOT under'} 100 ms.", ""]
     return lines

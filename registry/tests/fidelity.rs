@@ -574,6 +574,12 @@ async fn docker_export_equals_the_tree_in_amber_s_erofs_device() {
             .output()
             .unwrap();
         assert!(out.status.success(), "amber-convert {name}: {out:?}");
+        // Not on a terminal: its progress as plain lines, one per step.
+        let progress = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            progress.contains("amber-convert: [1/") && progress.contains("] chunking"),
+            "amber-convert {name} reports its steps: {progress}"
+        );
         assert_eq!(
             String::from_utf8_lossy(&out.stdout).trim(),
             env_of(&s, &format!("fidelity/{name}")).await,

@@ -82,10 +82,29 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let tty = std::io::stderr().is_terminal();
+    // A bar over the conversion's steps (each layer, the layout, the chunking) on a
+    // terminal; the same steps as plain lines otherwise.
+    let steps = layers.len() as u64 + 2;
+    let bar = if std::io::stderr().is_terminal() {
+        let bar = indicatif::ProgressBar::new(steps).with_style(
+            indicatif::ProgressStyle::with_template(
+                "amber-convert {spinner} [{bar:30}] {pos}/{len} {elapsed} {wide_msg}",
+            )
+            .expect("a valid template"),
+        );
+        bar.enable_steady_tick(std::time::Duration::from_millis(120));
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mut step = 0u64;
     let mut progress = |msg: &str| {
-        if tty {
-            eprintln!("amber-convert: {msg}");
+        step += 1;
+        if bar.is_hidden() {
+            eprintln!("amber-convert: [{step}/{steps}] {msg}");
+        } else {
+            bar.set_position(step.min(steps));
+            bar.set_message(msg.to_string());
         }
     };
     let out = convert(
@@ -97,6 +116,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         &mut progress,
     )?;
     sink.finish().context("storing chunks")?;
+    bar.finish_and_clear();
     if let (Some(f), Some(p)) = (&raw, &cli.raw) {
         f.set_len(out.manifest.device_size)
             .with_context(|| format!("sizing {}", p.display()))?;
