@@ -420,7 +420,7 @@ pub async fn image(
     };
     let layers = layers_of(&image_manifest);
     let layer_bytes: u64 = layers.iter().map(|l| l.size).sum();
-    let env = conv.as_ref().ok().and_then(|c| c.env.clone());
+    let env = conv.as_ref().ok().and_then(|c| c.env);
     let env_details = match &env {
         Some(e) => {
             let envelope = crate::envs::envelope(reg, &e.to_string()).await?;
