@@ -978,6 +978,8 @@ def main():
     ap.add_argument("--corpus", type=int, help="task images in the corpus (default 200; 20 with --quick)")
     ap.add_argument("--scale", help="image counts the scale benchmark measures at, comma-separated "
                     "(default 10000,100000; 2000,10000 with --quick)")
+    ap.add_argument("--scale-peer-seconds", type=float, help="at most this long for the peer's push in the "
+                    "scale benchmark (default: as long as amber's whole ingest)")
     a = ap.parse_args()
     work = os.path.join(RUN, "bench")
     os.makedirs(work, exist_ok=True)
@@ -1039,7 +1041,8 @@ def main():
         import bench_scale
         sizes = [int(x) for x in (a.scale or ("2000,10000" if a.quick else "10000,100000")).split(",")]
         print(f"metadata at scale: {sizes} synthetic images, amber and distribution", flush=True)
-        sections.append(bench_scale.scale_section(bench_scale.bench_scale(work, sys.modules[__name__], sizes)))
+        sections.append(bench_scale.scale_section(bench_scale.bench_scale(work, sys.modules[__name__], sizes,
+                                                                          a.scale_peer_seconds)))
     command = "scripts/bench" + (" --quick" if a.quick else "")
     out = os.path.join(ROOT, "BENCHMARKS.md") if not (a.quick or a.only) else os.path.join(work, "BENCHMARKS.partial.md")
     write_report(out, sections, command)
