@@ -385,7 +385,7 @@ async fn sign_in(b: &Browser, s: &Server, user: &str, secret: &str) {
     );
     b.fill("input[name=user]", user).await;
     b.fill("input[name=password]", secret).await;
-    b.click("#sign-in").await;
+    b.follow("#sign-in").await;
 }
 
 /// The catalog pages in headless Chromium over the registry holding the fidelity
@@ -431,17 +431,17 @@ async fn browse_the_catalog_pages(s: Server, envs: &BTreeMap<&str, String>) {
 
     // Search finds an image by name; its page shows the env resolve gives.
     b.fill("input[name=q]", "node").await;
-    b.click("header button[type=submit]").await;
+    b.follow("header button[type=submit]").await;
     assert_eq!(
         listed(&b).await,
         ["fidelity/node-npm"],
         "searching \"node\""
     );
     b.screenshot(&shots.join("2-search.png")).await;
-    b.click("#repositories a").await;
+    b.follow("#repositories a").await;
     assert_eq!(b.text("h1").await, "fidelity/node-npm");
     b.screenshot(&shots.join("3-repository.png")).await;
-    b.click("#tags a").await;
+    b.follow("#tags a").await;
     assert_eq!(
         b.text("#env-digest").await,
         envs["node-npm"],
@@ -471,7 +471,7 @@ async fn browse_the_catalog_pages(s: Server, envs: &BTreeMap<&str, String>) {
         .await
         .contains("application/vnd.amber.block-manifest"));
     b.screenshot(&shots.join("4-image.png")).await;
-    b.click("header form[action='/ui/logout'] button").await;
+    b.follow("header form[action='/ui/logout'] button").await;
     assert!(
         b.url().await.contains("/ui/login"),
         "signed out: {}",

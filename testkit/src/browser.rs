@@ -121,6 +121,44 @@ impl Browser {
             .unwrap_or_else(|e| panic!("clicking {css:?}: {e}"));
     }
 
+    /// Clicks a link or submit button and waits until the page it leads to has loaded: a
+    /// click returns before the navigation it starts, so without this a read after it
+    /// can see the old page (or elements that go stale under it). The old document is
+    /// marked; the new one is the first loaded document without the mark.
+    pub async fn follow(&self, css: &str) {
+        assert_eq!(
+            self.script("window.__amberOldPage = true; return true")
+                .await,
+            serde_json::Value::Bool(true),
+            "marking the page before clicking {css:?}"
+        );
+        self.click(css).await;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let loaded = self
+                .script("return window.__amberOldPage === undefined && document.readyState === 'complete'")
+                .await;
+            if loaded == serde_json::Value::Bool(true) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "clicking {css:?} on {} loaded no new page within 60 s",
+                self.url().await
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Runs `js` in the page; a script that runs while the page is being replaced answers
+    /// null.
+    async fn script(&self, js: &str) -> serde_json::Value {
+        self.client
+            .execute(js, Vec::new())
+            .await
+            .unwrap_or(serde_json::Value::Null)
+    }
+
     pub async fn url(&self) -> String {
         self.client
             .current_url()
