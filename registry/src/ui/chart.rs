@@ -3,7 +3,7 @@
 
 use maud::{html, Markup};
 
-use super::pages::{bytes, time};
+use super::format::{bytes, time};
 
 const W: f64 = 720.0;
 const H: f64 = 180.0;

@@ -10,6 +10,7 @@
 //! Responses carry `Server-Timing: render;dur=<ms>`.
 
 mod chart;
+mod format;
 mod pages;
 
 use std::sync::Arc;
