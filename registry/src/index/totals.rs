@@ -32,6 +32,9 @@ pub(super) mod counter {
     pub const COUNTED: &[u8] = b"counted";
 }
 
+/// The most additions a counter keeps unfolded in the memtable.
+pub(super) const MAX_MERGE_CHAIN: usize = 32;
+
 /// Stripe locks serialising the is-it-new check and the write of one key.
 pub(super) const STRIPES: usize = 64;
 
