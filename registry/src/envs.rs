@@ -63,6 +63,18 @@ pub async fn info(reg: &Registry, env: &str) -> Result<EnvInfo, EnvError> {
     note(reg, env, &envelope).await
 }
 
+/// [`info`] when the caller holds the envelope already.
+pub async fn info_of(
+    reg: &Registry,
+    env: &str,
+    envelope: &ManifestEnvelope,
+) -> Result<EnvInfo, EnvError> {
+    match reg.index.env(env)? {
+        Some(info) => Ok(info),
+        None => note(reg, env, envelope).await,
+    }
+}
+
 /// Notes `env` from its envelope: the summary, counted once in the totals, and one more
 /// env naming each of its chunks.
 pub async fn note(

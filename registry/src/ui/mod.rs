@@ -88,9 +88,17 @@ pub async fn dispatch(reg: &Arc<Registry>, req: Request) -> Response {
 async fn route(reg: &Arc<Registry>, req: Request) -> Response {
     let path = req.uri().path().to_string();
     let rest = path.strip_prefix("/ui").unwrap_or("");
+    let params: Vec<(String, String)> =
+        serde_urlencoded::from_str(req.uri().query().unwrap_or("")).unwrap_or_default();
+    let q = |k: &str| {
+        params
+            .iter()
+            .find(|(key, _)| key == k)
+            .map(|(_, v)| v.clone())
+    };
     match (req.method().clone(), rest) {
         (Method::GET, "/login") => {
-            let next = query_param(&req, "next").unwrap_or_default();
+            let next = q("next").unwrap_or_default();
             return html(StatusCode::OK, pages::login(&next, None));
         }
         (Method::POST, "/login") => return login(reg, req).await,
@@ -116,15 +124,7 @@ async fn route(reg: &Arc<Registry>, req: Request) -> Response {
         .and_then(|h| h.to_str().ok())
         .unwrap_or("localhost")
         .to_string();
-    let params: Vec<(String, String)> =
-        serde_urlencoded::from_str(req.uri().query().unwrap_or("")).unwrap_or_default();
     drop(req);
-    let q = |k: &str| {
-        params
-            .iter()
-            .find(|(key, _)| key == k)
-            .map(|(_, v)| v.clone())
-    };
     let page = match rest {
         "" | "/" => pages::home(reg, &viewer).await,
         "/search" => {
@@ -179,12 +179,6 @@ fn html(status: StatusCode, markup: maud::Markup) -> Response {
         markup.into_string(),
     )
         .into_response()
-}
-
-fn query_param(req: &Request, key: &str) -> Option<String> {
-    let q: Vec<(String, String)> =
-        serde_urlencoded::from_str(req.uri().query().unwrap_or("")).unwrap_or_default();
-    q.into_iter().find(|(k, _)| k == key).map(|(_, v)| v)
 }
 
 /// The viewer of a request: anyone with authentication off; else the account of its

@@ -385,11 +385,9 @@ pub async fn image(
     let env = conv.as_ref().ok().and_then(|c| c.env);
     let env_details = match &env {
         Some(e) => {
-            let envelope = crate::envs::envelope(reg, &e.to_string()).await?;
-            let info = match reg.index.env(&e.to_string())? {
-                Some(i) => i,
-                None => crate::envs::note(reg, &e.to_string(), &envelope).await?,
-            };
+            let env = e.to_string();
+            let envelope = crate::envs::envelope(reg, &env).await?;
+            let info = crate::envs::info_of(reg, &env, &envelope).await?;
             let shared = crate::envs::sharing(reg, &envelope)?;
             Some((info, shared))
         }
