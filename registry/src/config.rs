@@ -192,9 +192,13 @@ impl Default for Config {
             upload_ttl_secs: 24 * 3600,
             max_manifest_bytes: 4 * 1024 * 1024,
             immutable_tags: Vec::new(),
+            // As many as cores, and at least four: converting a task image over bases
+            // converted before is mostly waiting for the fsyncs of its small outputs
+            // (3,000 synthetic images on 2 cores, push to all converted: 65-88 s with one
+            // worker, 69 s with two, 49 s with four, 45 s with eight).
             convert_workers: std::thread::available_parallelism()
-                .map(|n| n.get().div_ceil(2))
-                .unwrap_or(1),
+                .map(|n| n.get().max(4))
+                .unwrap_or(4),
             conversion_lease_secs: 60,
             upstreams: Vec::new(),
             upstream_auth_file: None,
