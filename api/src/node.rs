@@ -16,6 +16,8 @@
 //!   sandbox's files as a new image in the registry; the sandbox keeps running);
 //! - `POST /v1/sandboxes/{id}/pause` -> `SandboxInfo` (`paused`: saved to a file, its
 //!   vCPUs and memory free), `POST …/resume` -> `SandboxInfo` (running where it was);
+//! - `POST /v1/prefetch` `Prefetch` -> newline-delimited `PrefetchFrame`s: an image's env
+//!   fetched into the node's cache, with its progress, before any sandbox boots it;
 //! - `GET /v1/node[?image=REF]` -> `NodeInfo`; `GET /v1/health`; `GET /v1/openapi.json`.
 //!
 //! Every error is `ErrorBody` with a stable `kind` a client can branch on.
@@ -435,6 +437,35 @@ pub struct CachedEnv {
     pub cached_chunks: u64,
     pub bytes: u64,
     pub cached_bytes: u64,
+}
+
+/// What to fetch into the node's cache: an image as `create` takes it (`name:tag`,
+/// `name@sha256:…`, or an env digest `blake3:…`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct Prefetch {
+    pub image: String,
+}
+
+/// One line of a prefetch: how much of the env the cache holds, first before any fetch,
+/// then as chunks arrive (a few times a second at most), then `done` (or `error`).
+/// `fetched_bytes` counts the chunk bytes this prefetch brought from the registry
+/// (uncompressed); the rest were in the cache already.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum PrefetchFrame {
+    Progress {
+        cache: CachedEnv,
+        fetched_bytes: u64,
+    },
+    Done {
+        cache: CachedEnv,
+        fetched_bytes: u64,
+    },
+    /// A chunk could not be fetched or failed verification; nothing more is fetched.
+    Error { kind: ErrorKind, message: String },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use amber_api::node::{
     ApiError, BatchResult, CreateBatch, CreateSandbox, CreateSnapshot, ErrorBody, ErrorKind,
-    Health, NodeInfo, SandboxInfo, SandboxList, SnapshotInfo,
+    Health, NodeInfo, Prefetch, PrefetchFrame, SandboxInfo, SandboxList, SnapshotInfo,
 };
 use serde::de::DeserializeOwned;
 
@@ -146,6 +146,46 @@ impl NodeClient {
     pub async fn resume(&self, id: &str) -> Result<SandboxInfo, ClientError> {
         let url = Self::url(&format!("/v1/sandboxes/{id}/resume"));
         Self::read(self.send(self.http.post(url)).await?).await
+    }
+
+    /// Fetches `image`'s env into the node's cache, calling `progress` with each frame
+    /// the node sends; returns the last (`Done`). An `Error` frame is returned as
+    /// `ClientError::Api` with its kind.
+    pub async fn prefetch(
+        &self,
+        image: &str,
+        mut progress: impl FnMut(&PrefetchFrame),
+    ) -> Result<PrefetchFrame, ClientError> {
+        let req = Prefetch {
+            image: image.to_string(),
+        };
+        let mut r = self
+            .send(self.http.post(Self::url("/v1/prefetch")).json(&req))
+            .await?;
+        let broken = |why: String| ClientError::Protocol {
+            what: "the prefetch stream".into(),
+            why,
+        };
+        let mut pending = Vec::new();
+        loop {
+            while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=end).collect();
+                let frame: PrefetchFrame =
+                    serde_json::from_slice(&line).map_err(|e| broken(e.to_string()))?;
+                progress(&frame);
+                match frame {
+                    PrefetchFrame::Progress { .. } => {}
+                    PrefetchFrame::Done { .. } => return Ok(frame),
+                    PrefetchFrame::Error { kind, message } => {
+                        return Err(ClientError::Api(ApiError { kind, message }))
+                    }
+                }
+            }
+            match r.chunk().await.map_err(|e| broken(e.to_string()))? {
+                Some(b) => pending.extend_from_slice(&b),
+                None => return Err(broken("it ended before its last frame".into())),
+            }
+        }
     }
 
     /// A connection to the sandbox carrying the guest protocol's frames.

@@ -6,7 +6,7 @@
 //! there is never more than one; before serving it stops any VM a dead predecessor left
 //! and reports those sandboxes lost (`Node::recover`). SIGTERM or SIGINT stop every
 //! sandbox, then the daemon. Started by the CLI on demand (`exit_when_idle`), it exits
-//! `LINGER` after its last sandbox ended.
+//! `LINGER` after its last sandbox (or prefetch) ended.
 //!
 //! `ensure_running` is the client side: it starts a daemon when none answers (a
 //! detached process of its own, which prints `ready` once it serves, or `running` when
@@ -57,7 +57,7 @@ pub struct DaemonConfig {
     pub limits: Limits,
     /// Also serve on this TCP address, requiring this bearer token.
     pub tcp: Option<(SocketAddr, String)>,
-    /// Exit `LINGER` after the last sandbox ended (a daemon the CLI started).
+    /// Exit `LINGER` after the last sandbox or prefetch ended (a daemon the CLI started).
     pub exit_when_idle: bool,
 }
 
@@ -116,7 +116,7 @@ pub async fn serve(
         .map_err(io(&sock))?;
     loop {
         let idle = async {
-            if config.exit_when_idle && node.live_count() == 0 {
+            if config.exit_when_idle && !node.busy() {
                 tokio::time::sleep(LINGER).await;
             } else {
                 std::future::pending::<()>().await;
@@ -127,7 +127,7 @@ pub async fn serve(
             _ = int.recv() => break,
             _ = node.changed.notified() => continue,
             _ = idle => {
-                if node.live_count() == 0 {
+                if !node.busy() {
                     break;
                 }
             }

@@ -20,6 +20,9 @@ use amber_snapshotter::cache::{CacheError, ChunkCache};
 use amber_snapshotter::device::LazyDevice;
 use amber_snapshotter::source::{RegistryClient, RegistrySource, SourceError};
 
+/// Chunks a prefetch fetches at once.
+const PREFETCH_FETCHES: usize = 8;
+
 /// The node cache's size bound.
 pub const NODE_CACHE_BYTES: u64 = 20 << 30;
 
@@ -31,6 +34,12 @@ pub enum ExportError {
     Source(#[from] SourceError),
     #[error(transparent)]
     Cache(#[from] CacheError),
+    #[error("prefetching {env}: {source}")]
+    Prefetch {
+        env: EnvDigest,
+        #[source]
+        source: Arc<CacheError>,
+    },
     #[error("serving the export of {env} on {path}: {source}")]
     Socket {
         env: EnvDigest,
@@ -176,6 +185,44 @@ impl Exports {
             }
         }
         Some(c)
+    }
+
+    /// Puts every chunk of `env` in the cache, fetching (and verifying) the ones it lacks,
+    /// `PREFETCH_FETCHES` at a time. `progress` is called after each chunk with the chunk
+    /// bytes fetched so far; the total is returned. The env's manifest is fetched first
+    /// if this node does not know it.
+    pub async fn prefetch(
+        &self,
+        env: &EnvDigest,
+        mut progress: impl FnMut(u64),
+    ) -> Result<u64, ExportError> {
+        use futures_util::StreamExt;
+        let known = self.known.lock().unwrap().get(env).cloned();
+        let chunks = match known {
+            Some(c) => c,
+            None => {
+                self.learn(env).await?;
+                self.known.lock().unwrap()[env].clone()
+            }
+        };
+        let cache = self.cache.clone();
+        let mut done = futures_util::stream::iter(chunks.to_vec())
+            .map(move |(id, len)| {
+                let cache = cache.clone();
+                async move {
+                    cache
+                        .prefetch(&id, len)
+                        .await
+                        .map(|f| if f { len } else { 0 })
+                }
+            })
+            .buffer_unordered(PREFETCH_FETCHES);
+        let mut fetched = 0;
+        while let Some(r) = done.next().await {
+            fetched += r.map_err(|source| ExportError::Prefetch { env: *env, source })?;
+            progress(fetched);
+        }
+        Ok(fetched)
     }
 
     /// The export of `env`, started if no sandbox holds it yet.

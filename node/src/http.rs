@@ -24,8 +24,9 @@ use utoipa::OpenApi;
 
 use amber_api::node::{
     ApiError, BatchItem, BatchResult, CreateBatch, CreateSandbox, CreateSnapshot, Deleted,
-    ErrorBody, ErrorKind, ExecFrame, ExecRequest, ExecResult, Health, NodeInfo, ProcessInfo,
-    ProcessList, SandboxInfo, SandboxList, SetTimeout, SignalRequest, SnapshotInfo,
+    ErrorBody, ErrorKind, ExecFrame, ExecRequest, ExecResult, Health, NodeInfo, Prefetch,
+    PrefetchFrame, ProcessInfo, ProcessList, SandboxInfo, SandboxList, SetTimeout, SignalRequest,
+    SnapshotInfo,
 };
 
 use crate::files::{self, FileError};
@@ -106,9 +107,9 @@ fn query<T>(q: Result<Query<T>, QueryRejection>) -> Answer<T> {
         create_sandbox, create_batch, list_sandboxes, delete_by_labels, get_sandbox,
         wait_sandbox, delete_sandbox, set_timeout, snapshot_sandbox, pause_sandbox, resume_sandbox, exec, exec_stream, start_process,
         list_processes, get_process, process_output, signal_process, put_file, get_file,
-        put_archive, get_archive, attach, node_info, health, openapi_json
+        put_archive, get_archive, attach, prefetch, node_info, health, openapi_json
     ),
-    components(schemas(ErrorBody, ExecFrame)),
+    components(schemas(ErrorBody, ExecFrame, PrefetchFrame)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;
@@ -168,6 +169,7 @@ pub fn router(node: Arc<Node>, token: Option<String>) -> Router {
             post(signal_process),
         )
         .route("/v1/sandboxes/{id}/attach", get(attach))
+        .route("/v1/prefetch", post(prefetch))
         .route("/v1/node", get(node_info))
         .route("/v1/openapi.json", get(openapi_json))
         .merge(files)
@@ -512,6 +514,25 @@ async fn exec_stream(
     resp.headers_mut()
         .insert(PROCESS_HEADER, HeaderValue::from(pid));
     Ok(resp)
+}
+
+#[utoipa::path(post, path = "/v1/prefetch", request_body = Prefetch,
+    responses((status = 200, description = "Newline-delimited `PrefetchFrame`s: how much of the image's env the node's cache holds, as its chunks arrive, then `done` (or `error`).", content_type = "application/x-ndjson", body = PrefetchFrame),
+        (status = 400, body = ErrorBody), (status = 404, body = ErrorBody), (status = 502, body = ErrorBody)),
+    security((), ("bearer" = [])))]
+async fn prefetch(
+    State(node): State<AppState>,
+    body: Result<Json<Prefetch>, JsonRejection>,
+) -> Answer<Response> {
+    let r = json(body)?;
+    let frames = node.prefetch(&r.image).await?;
+    let lines = futures_util::stream::unfold(frames, |mut frames| async move {
+        let f = frames.recv().await?;
+        let mut line = serde_json::to_vec(&f).expect("json");
+        line.push(b'\n');
+        Some((Ok::<_, Infallible>(Bytes::from(line)), frames))
+    });
+    Ok(ndjson(Body::from_stream(lines)))
 }
 
 #[utoipa::path(post, path = "/v1/sandboxes/{id}/processes", params(("id" = String, Path)),

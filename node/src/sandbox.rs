@@ -58,8 +58,6 @@ pub enum StartError {
     },
     #[error(transparent)]
     Export(#[from] ExportError),
-    #[error("prefetching: {0}")]
-    Prefetch(Arc<CacheError>),
     /// A chunk of the env failed verification while the guest booted.
     #[error("{0}")]
     Integrity(Arc<CacheError>),
@@ -197,20 +195,7 @@ impl Sandbox {
             None => None,
         };
         if l.prefetch {
-            use futures_util::StreamExt;
-            let cache = exports.cache().clone();
-            let extents = export.device.manifest().extents.clone();
-            let reads = extents.into_iter().map(move |e| {
-                let cache = cache.clone();
-                async move { cache.read(&e.chunk, e.length, 0, 1).await }
-            });
-            let results: Vec<_> = futures_util::stream::iter(reads)
-                .buffer_unordered(8)
-                .collect()
-                .await;
-            for r in results {
-                r.map_err(StartError::Prefetch)?;
-            }
+            exports.prefetch(&l.env, |_| {}).await?;
         }
         let disk = if l.shape.disk_mib > 0 {
             let p = work.join("disk.img");

@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use amber_api::node::{
-    CachedEnv, CreateSandbox, CreateSnapshot, ErrorKind, ExecRequest, NodeInfo, ProcessInfo,
-    Resources, SandboxInfo, SandboxStatus, SnapshotInfo,
+    CachedEnv, CreateSandbox, CreateSnapshot, ErrorKind, ExecRequest, NodeInfo, PrefetchFrame,
+    ProcessInfo, Resources, SandboxInfo, SandboxStatus, SnapshotInfo,
 };
 use amber_distribution::DistributionError;
 use amber_guest::Request;
@@ -33,7 +33,7 @@ use amber_snapshotter::source::RegistryClient;
 use serde::{Deserialize, Serialize};
 
 use crate::command::{request, ExecDefaults};
-use crate::exports::Exports;
+use crate::exports::{ExportError, Exports};
 use crate::image::{ImageError, RunConfig};
 use crate::kernel::{self, BootFileError};
 use crate::mux::Mux;
@@ -41,6 +41,7 @@ use crate::process::{Process, Retain};
 use crate::run::{self, LaunchError, VmOptions};
 use crate::sandbox::{Launch, Sandbox};
 use crate::snapshot::{self, SnapshotError};
+use amber_snapshotter::cache::CacheError;
 
 /// Ended sandboxes kept for `get` and `list`.
 const ENDED_KEPT: usize = 4096;
@@ -284,8 +285,27 @@ pub struct Node {
     /// names one image for ever, and an image has one env): placement asks several
     /// nodes per create, and a pinned answer needs the registry once.
     pinned_envs: Mutex<HashMap<String, amber_oci::env::EnvDigest>>,
-    /// Told whenever a sandbox ends (the daemon's idle exit waits on it).
-    pub changed: tokio::sync::Notify,
+    /// Prefetches running (they keep an idle daemon up as sandboxes do).
+    prefetches: Arc<AtomicUsize>,
+    /// Told whenever a sandbox or a prefetch ends (the daemon's idle exit waits on it).
+    pub changed: Arc<tokio::sync::Notify>,
+}
+
+/// Counts one running prefetch while alive.
+struct PrefetchRunning(Arc<AtomicUsize>, Arc<tokio::sync::Notify>);
+
+impl PrefetchRunning {
+    fn new(n: &Arc<AtomicUsize>, changed: &Arc<tokio::sync::Notify>) -> PrefetchRunning {
+        n.fetch_add(1, Ordering::SeqCst);
+        PrefetchRunning(n.clone(), changed.clone())
+    }
+}
+
+impl Drop for PrefetchRunning {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.1.notify_waiters();
+    }
 }
 
 /// Pinned references `Node::info` remembers before it starts over.
@@ -317,8 +337,14 @@ impl Node {
             limits,
             inner: Mutex::new(Inner::default()),
             pinned_envs: Mutex::new(HashMap::new()),
-            changed: tokio::sync::Notify::new(),
+            prefetches: Arc::new(AtomicUsize::new(0)),
+            changed: Arc::new(tokio::sync::Notify::new()),
         }
+    }
+
+    /// Whether anything runs: a sandbox (or a create), or a prefetch.
+    pub fn busy(&self) -> bool {
+        self.live_count() > 0 || self.prefetches.load(Ordering::SeqCst) > 0
     }
 
     /// Sandboxes creating or running, counting creates still resolving their image.
@@ -1015,6 +1041,66 @@ impl Node {
         rx.await.map_err(|_| gone())?
     }
 
+    /// Starts fetching `image`'s env into the node's cache, ahead of any sandbox booting
+    /// it; its progress arrives on the returned channel, ending with `done` or `error`.
+    /// The image is resolved and the env's manifest read before this returns, so a
+    /// reference that names nothing is an error here, not a frame. Dropping the receiver
+    /// (the client went away) stops the fetching.
+    pub async fn prefetch(
+        &self,
+        image: &str,
+    ) -> Result<tokio::sync::mpsc::Receiver<PrefetchFrame>, NodeError> {
+        let env = self.env_of(image).await?;
+        let first = self.cached(&env).await?;
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let _ = tx.try_send(PrefetchFrame::Progress {
+            cache: first,
+            fetched_bytes: 0,
+        });
+        let exports = self.exports.clone();
+        let running = PrefetchRunning::new(&self.prefetches, &self.changed);
+        tokio::spawn(async move {
+            let _running = running;
+            let mut last = Instant::now();
+            let fetching = exports.prefetch(&env, |fetched_bytes| {
+                // Progress is a sample: a frame the client has not read yet is not queued
+                // behind (the next one says more), but a closed channel ends the fetch.
+                if last.elapsed() >= PREFETCH_PROGRESS_EVERY {
+                    last = Instant::now();
+                    let cache = exports
+                        .cached(&env)
+                        .expect("an env being prefetched is known");
+                    let _ = tx.try_send(PrefetchFrame::Progress {
+                        cache,
+                        fetched_bytes,
+                    });
+                }
+            });
+            let end = tokio::select! {
+                r = fetching => match r {
+                    Ok(fetched_bytes) => PrefetchFrame::Done {
+                        cache: exports.cached(&env).expect("an env being prefetched is known"),
+                        fetched_bytes,
+                    },
+                    Err(e) => PrefetchFrame::Error {
+                        kind: match &e {
+                            ExportError::Prefetch { source, .. }
+                                if matches!(**source, CacheError::Integrity { .. }) =>
+                            {
+                                ErrorKind::Integrity
+                            }
+                            _ => ErrorKind::Unavailable,
+                        },
+                        message: e.to_string(),
+                    },
+                },
+                () = tx.closed() => return,
+            };
+            let _ = tx.send(end).await;
+        });
+        Ok(rx)
+    }
+
     /// The node's capacity, what is used, and what its cache holds (of `image` too).
     pub async fn info(&self, image: Option<&str>) -> Result<NodeInfo, NodeError> {
         // A node that was never set up still serves sandboxes whose boot files are pinned.
@@ -1087,15 +1173,18 @@ impl Node {
             return Ok(c);
         }
         // An env this node never served: nothing of it is cached, but say how big it is.
-        self.exports
-            .learn(env)
-            .await
-            .map_err(|e| NodeError::Unavailable(e.to_string()))?;
+        self.exports.learn(env).await.map_err(|e| match e {
+            ExportError::EnvNotFound { .. } => NodeError::ImageNotFound(e.to_string()),
+            e => NodeError::Unavailable(e.to_string()),
+        })?;
         self.exports
             .cached(env)
             .ok_or_else(|| NodeError::Internal(format!("env {env} was not learned")))
     }
 }
+
+/// A prefetch's progress frames come at most this often (its first and last always).
+const PREFETCH_PROGRESS_EVERY: Duration = Duration::from_millis(200);
 
 /// The one task that owns a sandbox's VM, from boot to stop.
 async fn lifecycle(node: Arc<Node>, e: Arc<Entry>) {

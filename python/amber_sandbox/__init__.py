@@ -30,6 +30,7 @@ from .types import (
     NetworkInfo,
     NodeInfo,
     Parent,
+    PrefetchProgress,
     ProcessInfo,
     PublishedPort,
     SandboxInfo,
@@ -41,5 +42,5 @@ __all__ = [
     "AmberError", "BadRequest", "CapacityError", "CommandTimeout", "ImageNotFound",
     "IntegrityError", "NodeUnreachable", "NotFound", "SandboxNotRunning", "Unauthorized",
     "Unavailable", "ExecFrame", "ExecResult", "NodeInfo", "ProcessInfo", "SandboxInfo",
-    "Parent", "SnapshotInfo", "Network", "NetworkInfo", "PublishedPort",
+    "Parent", "PrefetchProgress", "SnapshotInfo", "Network", "NetworkInfo", "PublishedPort",
 ]

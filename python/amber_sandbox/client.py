@@ -15,12 +15,21 @@ import random
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Sequence
 
 import httpx
 
 from .errors import BY_KIND, AmberError, CapacityError, CommandTimeout, NodeUnreachable
-from .types import ExecFrame, ExecResult, Network, NodeInfo, ProcessInfo, SandboxInfo, SnapshotInfo
+from .types import (
+    ExecFrame,
+    ExecResult,
+    Network,
+    NodeInfo,
+    PrefetchProgress,
+    ProcessInfo,
+    SandboxInfo,
+    SnapshotInfo,
+)
 
 
 def _raise_for(r: httpx.Response) -> None:
@@ -83,6 +92,32 @@ class AsyncNode:
     async def info(self, image: str | None = None) -> NodeInfo:
         params = {"image": image} if image else None
         return NodeInfo.parse((await self._request("GET", "/v1/node", params=params)).json())
+
+    async def prefetch(
+        self, image: str, on_progress: Callable[[PrefetchProgress], None] | None = None
+    ) -> PrefetchProgress:
+        """Fetches every chunk of `image`'s env into this node's cache, calling
+        `on_progress` with each frame (a few a second at most); returns the last one.
+        Raises `ImageNotFound`, `IntegrityError`, … as `create` would."""
+        try:
+            async with self._http.stream("POST", "/v1/prefetch", json={"image": image}) as r:
+                if not r.is_success:
+                    await r.aread()
+                    _raise_for(r)
+                async for line in r.aiter_lines():
+                    if not line:
+                        continue
+                    d = json.loads(line)
+                    if d["type"] == "error":
+                        raise BY_KIND.get(d["kind"], AmberError)(d["message"])
+                    frame = PrefetchProgress.parse(d)
+                    if on_progress:
+                        on_progress(frame)
+                    if frame.done:
+                        return frame
+        except httpx.ConnectError as e:
+            raise NodeUnreachable(f"amberd at {self.address.url} does not answer: {e}") from e
+        raise NodeUnreachable(f"amberd at {self.address.url} ended a prefetch of {image} before it was done")
 
     async def health(self) -> dict[str, Any]:
         return (await self._request("GET", "/v1/health")).json()
@@ -454,6 +489,17 @@ class AsyncAmber:
             await asyncio.gather(*(s.delete() for s in made), return_exceptions=True)
             raise errors[0]
         return made
+
+    async def prefetch(
+        self, image: str, on_progress: Callable[[AsyncNode, PrefetchProgress], None] | None = None
+    ) -> list[PrefetchProgress]:
+        """Fetches `image`'s env into the cache of every node at once (before a run that
+        will create many sandboxes of it); one final frame per node, in `nodes` order."""
+
+        def reporter(n: AsyncNode):
+            return (lambda f: on_progress(n, f)) if on_progress else None
+
+        return list(await asyncio.gather(*(n.prefetch(image, reporter(n)) for n in self.nodes)))
 
     async def list(self, labels: Mapping[str, str] | None = None) -> list[AsyncSandbox]:
         lists = await asyncio.gather(*(n.list(labels) for n in self.nodes))

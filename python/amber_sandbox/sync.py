@@ -7,7 +7,7 @@ import threading
 from typing import Any, Iterator
 
 from .client import AsyncAmber, AsyncSandbox
-from .types import ExecFrame, ExecResult, SandboxInfo, SnapshotInfo
+from .types import ExecFrame, ExecResult, PrefetchProgress, SandboxInfo, SnapshotInfo
 
 
 class _Loop:
@@ -101,6 +101,9 @@ class Amber:
 
     def fork(self, image: str, n: int, **kw) -> list[Sandbox]:
         return [Sandbox(self._loop, s) for s in self._loop.run(self._inner.fork(image, n, **kw))]
+
+    def prefetch(self, image: str, on_progress=None) -> list[PrefetchProgress]:
+        return self._loop.run(self._inner.prefetch(image, on_progress))
 
     def list(self, labels=None) -> list[Sandbox]:
         return [Sandbox(self._loop, s) for s in self._loop.run(self._inner.list(labels))]

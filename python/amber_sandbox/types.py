@@ -158,6 +158,24 @@ class ExecFrame:
 
 
 @dataclass
+class PrefetchProgress:
+    """One line of a prefetch: how much of the env the node's cache holds (`cache`) and
+    the chunk bytes this prefetch fetched so far; `type` is `progress`, then `done`."""
+
+    type: str
+    cache: "CachedEnv"
+    fetched_bytes: int
+
+    @classmethod
+    def parse(cls, d: dict[str, Any]) -> "PrefetchProgress":
+        return cls(type=d["type"], cache=_from(CachedEnv, d["cache"]), fetched_bytes=d["fetched_bytes"])
+
+    @property
+    def done(self) -> bool:
+        return self.type == "done"
+
+
+@dataclass
 class ProcessInfo:
     id: int
     argv: list[str]

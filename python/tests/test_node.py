@@ -234,6 +234,19 @@ async def test_placement_prefers_the_node_that_caches_the_env(nodes, images, reg
             assert sb.node is warm, "placed on a node without the env's chunks"
             await sb.delete()
 
+        # Prefetch on every node: the cold ones fetch the whole env, the warm one nothing;
+        # each reports its progress from its first frame to `done`.
+        seen: dict[int, list] = {}
+        finals = await amber.prefetch("py/placed:v1", lambda n, f: seen.setdefault(id(n), []).append(f))
+        for node, final in zip(amber.nodes, finals):
+            assert final.done and final.cache.cached_bytes == final.cache.bytes > 3000000
+            assert final.cache.cached_chunks == final.cache.chunks
+            assert final.fetched_bytes == (0 if node is warm else final.cache.bytes)
+            frames = seen[id(node)]
+            assert frames[0].type == "progress" and frames[-1] is final
+        with pytest.raises(ImageNotFound):
+            await amber.nodes[0].prefetch("py/placed:missing")
+
 
 def test_the_sync_client_and_the_hosted_sdk_names(nodes, images, tmp_path):
     with Amber([nodes[1].socket]) as amber:

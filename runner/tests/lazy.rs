@@ -2,7 +2,8 @@
 //! 10% of the image's bytes; a second run on the node fetches no chunk; a chunk corrupted
 //! in the registry's store fails the run with an integrity error naming it, and the node
 //! cache never keeps it; a tampered image manifest or config is an integrity error naming
-//! it, with nothing run.
+//! it, with nothing run. `amber prefetch` fills a cold node cache with every chunk of the
+//! env, reporting progress, after which a run fetches nothing.
 
 mod common;
 
@@ -109,4 +110,70 @@ fn a_big_image_boots_lazily_and_a_corrupt_chunk_is_an_integrity_error() {
     // Repaired in the store, the same node runs again.
     let o = node.amber(&reg, &["run", &pinned, "--", "echo", "ran"]);
     assert_eq!(stdout(&o), "ran\n", "{}", stderr(&o));
+
+    // Prefetch into a cold cache: every distinct chunk of the env once, with progress
+    // lines (stderr is not a terminal) from nothing cached to all of it.
+    let mut chunks: Vec<(String, u64)> = envelope["manifest"]["extents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["chunk"].as_str().unwrap().to_string(),
+                e["length"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    chunks.sort();
+    chunks.dedup();
+    let env_bytes: u64 = chunks.iter().map(|(_, n)| n).sum();
+    // The env's chunks leave the node's cache (the kernel modules' env stays).
+    let cached = |chunk: &str| {
+        let hex = &chunk["blake3:".len()..];
+        node.chunks().join(&hex[..2]).join(hex)
+    };
+    for (chunk, _) in &chunks {
+        let _ = std::fs::remove_file(cached(chunk));
+    }
+    let gets = chunk_gets();
+    let o = node.amber(&reg, &["prefetch", &pinned]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("amber: prefetch "))
+        .collect();
+    assert!(lines.len() >= 2, "progress lines: {lines:?}");
+    assert_eq!(
+        *lines.last().unwrap(),
+        format!("amber: prefetch {env}: {env_bytes} of {env_bytes} bytes cached, {env_bytes} fetched, done"),
+        "{err}"
+    );
+    assert_eq!(
+        chunk_gets() - gets,
+        chunks.len() as f64,
+        "a prefetch fetches each distinct chunk once"
+    );
+    assert!(chunks.iter().all(|(c, _)| cached(c).exists()));
+    // Prefetched again: nothing to fetch. A run after it fetches no chunk either.
+    let o = node.amber(&reg, &["prefetch", &pinned]);
+    assert!(
+        stderr(&o).ends_with(&format!(
+            "amber: prefetch {env}: {env_bytes} of {env_bytes} bytes cached, 0 fetched, done\n"
+        )),
+        "{}",
+        stderr(&o)
+    );
+    let o = node.amber(&reg, &["run", "--prefetch", &pinned, "--", "echo", "warm"]);
+    assert_eq!(stdout(&o), "warm\n", "{}", stderr(&o));
+    assert_eq!(
+        chunk_gets() - gets,
+        chunks.len() as f64,
+        "a run after a prefetch fetched chunks"
+    );
+    // An image that does not exist: an error naming it, nothing fetched.
+    let o = node.amber(&reg, &["prefetch", "lazy/big:missing"]);
+    assert_eq!(o.status.code(), Some(125), "{}", stderr(&o));
+    assert!(stderr(&o).contains("lazy/big:missing"), "{}", stderr(&o));
+    assert_eq!(chunk_gets() - gets, chunks.len() as f64);
 }

@@ -79,6 +79,14 @@ impl Lru {
         self.bytes += size;
     }
 
+    /// Drops `id`, whose file is gone.
+    fn forget(&mut self, id: &ChunkId) {
+        if let Some((size, t)) = self.entries.remove(id) {
+            self.by_tick.remove(&t);
+            self.bytes -= size;
+        }
+    }
+
     /// Removes least recently used entries until `bytes <= capacity`, never `keep`.
     fn evict(&mut self, capacity: u64, keep: &ChunkId) -> Vec<ChunkId> {
         let mut out = Vec::new();
@@ -227,8 +235,7 @@ impl ChunkCache {
                     self.lru
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .entries
-                        .remove(id);
+                        .forget(id);
                     continue;
                 }
                 Err(source) => {
@@ -240,6 +247,26 @@ impl ChunkCache {
             }
         }
         unreachable!("the loop returns")
+    }
+
+    /// Makes sure chunk `id` (of uncompressed length `chunk_len`) is in the cache,
+    /// fetched and verified if it is not; true when this call had to fetch it (or wait
+    /// for another caller's fetch of it). What prefetching an env does for each chunk.
+    pub async fn prefetch(&self, id: &ChunkId, chunk_len: u64) -> Result<bool, Arc<CacheError>> {
+        let known = self.lru.lock().unwrap_or_else(|p| p.into_inner()).touch(id);
+        let path = chunk_path(&self.dir, id);
+        if known && tokio::fs::try_exists(&path).await.unwrap_or(false) {
+            return Ok(false);
+        }
+        if known {
+            // Removed behind the cache's back: forget it, so it is fetched again.
+            self.lru
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .forget(id);
+        }
+        self.ensure(id, chunk_len).await?;
+        Ok(true)
     }
 
     /// Makes sure chunk `id` is in the cache; concurrent callers share one fetch.

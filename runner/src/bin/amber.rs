@@ -49,6 +49,9 @@ enum Cmd {
     Run(Box<RunArgs>),
     /// Start a sandbox of REF that stays up for `exec` and `cp`; prints its id.
     Create(Box<CreateArgs>),
+    /// Fetch every chunk of REF's env into this node's cache (with progress), so sandboxes
+    /// of it boot without waiting for the registry.
+    Prefetch { reference: String },
     /// Run a command in a running sandbox, as `docker exec` would.
     Exec(ExecArgs),
     /// Copy files: `amber cp PATH ID:PATH` or `amber cp ID:PATH PATH`.
@@ -180,7 +183,7 @@ struct RunArgs {
     /// Write a receipt of the run (every digest it depended on) to this file.
     #[arg(long)]
     receipt: Option<PathBuf>,
-    /// Fetch every chunk of the env into the node cache before booting (benchmarks).
+    /// Fetch every chunk of the env into the node cache before booting (with progress).
     #[arg(long)]
     prefetch: bool,
     /// Boot from this local raw image of the env instead of its NBD export (benchmarks).
@@ -208,6 +211,9 @@ struct CreateArgs {
     /// one id per line.
     #[arg(long, default_value_t = 1)]
     count: u32,
+    /// Fetch every chunk of the env into the node cache first (with progress).
+    #[arg(long)]
+    prefetch: bool,
 }
 
 #[derive(clap::Args)]
@@ -312,6 +318,11 @@ async fn run(cli: Cli) -> anyhow::Result<i32> {
         }
         Cmd::Run(a) => run_cmd(&registry, &node, *a).await,
         Cmd::Create(a) => create(&registry, &node, *a).await,
+        Cmd::Prefetch { reference } => {
+            let client = node_client(&registry, &node).await?;
+            prefetch(&client, &reference).await?;
+            Ok(0)
+        }
         Cmd::Exec(a) => exec(&node, a).await,
         Cmd::Cp { src, dest } => cp(&node, &src, &dest).await,
         Cmd::Rm { ids } => {
@@ -470,6 +481,9 @@ async fn run_cmd(registry: &RegistryClient, node: &Path, a: RunArgs) -> anyhow::
             Some(d) => image::pinned(&a.vm.reference, d),
             None => resolved.env.to_string(),
         };
+        if a.prefetch {
+            prefetch(&client, &pinned).await?;
+        }
         let mut c = create_request(&a.vm, pinned, a.vm.hostname.clone());
         c.prefetch = a.prefetch;
         // A run whose client died leaves nothing for long: once no client is attached,
@@ -573,6 +587,11 @@ async fn create(registry: &RegistryClient, node: &Path, a: CreateArgs) -> anyhow
     }
     c.lifetime_s = a.lifetime;
     c.idle_timeout_s = a.idle_timeout;
+    if a.prefetch {
+        prefetch(&client, &c.image).await?;
+        // The node fetches what was evicted meanwhile before it boots.
+        c.prefetch = true;
+    }
     if a.count == 1 {
         created(&client.create(&c).await?);
         return Ok(0);
@@ -593,6 +612,81 @@ async fn create(registry: &RegistryClient, node: &Path, a: CreateArgs) -> anyhow
         }
     }
     Ok(if failed == 0 { 0 } else { 1 })
+}
+
+/// Fetches `reference`'s env into the node's cache, showing progress on stderr: a bar on
+/// a terminal, otherwise a line at the start, at every tenth of the env's bytes cached,
+/// and at the end.
+async fn prefetch(client: &NodeClient, reference: &str) -> anyhow::Result<()> {
+    use amber_api::node::PrefetchFrame;
+    use std::io::IsTerminal;
+    let bar = if std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::new(0).with_style(
+            indicatif::ProgressStyle::with_template(
+                "amber: prefetch {msg} [{bar:30}] {bytes}/{total_bytes} ({bytes_per_sec}, {eta})",
+            )
+            .expect("a valid template")
+            .progress_chars("=> "),
+        )
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let mut tenth_shown = None;
+    let done = client
+        .prefetch(reference, |f| {
+            let (PrefetchFrame::Progress {
+                cache,
+                fetched_bytes,
+            }
+            | PrefetchFrame::Done {
+                cache,
+                fetched_bytes,
+            }) = f
+            else {
+                return;
+            };
+            bar.set_message(short_env(&cache.env_digest));
+            bar.set_length(cache.bytes);
+            bar.set_position(cache.cached_bytes);
+            let tenth = (cache.cached_bytes * 10)
+                .checked_div(cache.bytes)
+                .unwrap_or(10);
+            let last = matches!(f, PrefetchFrame::Done { .. });
+            if bar.is_hidden() && (last || tenth_shown != Some(tenth)) {
+                tenth_shown = Some(tenth);
+                eprintln!(
+                    "amber: prefetch {}: {} of {} bytes cached, {} fetched{}",
+                    cache.env_digest,
+                    cache.cached_bytes,
+                    cache.bytes,
+                    fetched_bytes,
+                    if last { ", done" } else { "" }
+                );
+            }
+        })
+        .await;
+    bar.finish_and_clear();
+    if let PrefetchFrame::Done {
+        cache,
+        fetched_bytes,
+    } = done?
+    {
+        if !bar.is_hidden() {
+            eprintln!(
+                "amber: prefetched {}: {} chunks, {} ({} fetched)",
+                cache.env_digest,
+                cache.chunks,
+                indicatif::HumanBytes(cache.bytes),
+                indicatif::HumanBytes(fetched_bytes)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The start of an env digest, for a progress bar's label.
+fn short_env(env: &str) -> String {
+    env.chars().take("blake3:".len() + 12).collect()
 }
 
 /// Prints a new sandbox's id, and on stderr where the host reaches its published ports.
