@@ -5,7 +5,10 @@
 //! (`_records/conversions/<image>`) and then removes the item. Every replica sweeps the
 //! work items every third of a lease, so a conversion queued or started by a replica that
 //! died is taken over by another one once its lease runs out, and a replica with free
-//! workers takes queued items another replica has not reached yet.
+//! workers takes queued items another replica has not reached yet. Within a replica,
+//! `convert_workers` workers each convert one image, then the next lined-up one
+//! (`Registry::take_conversion`); an item is claimed only when a worker starts on it, so
+//! what waits in one replica's line stays free for any other.
 //!
 //! Invariants kept here:
 //! - an item is created before the manifest push that queued it is acknowledged, so an
@@ -32,7 +35,7 @@ use crate::clock::now_unix;
 use crate::convert::{convert_image, CONVERSIONS_FAILED, CONVERSIONS_STARTED};
 use crate::index::{Conversion, ConversionState};
 use crate::records::RecordError;
-use crate::registry::Registry;
+use crate::registry::{Registry, Taken};
 use crate::store::{RecordKey, Version};
 use amber_oci::digest::Digest;
 use amber_oci::manifest::{ManifestKind, ParsedManifest};
@@ -286,30 +289,47 @@ async fn done(reg: &Registry, image: &Digest) -> Result<bool, RecordError> {
         .is_some_and(|c| c.state == ConversionState::Done))
 }
 
-/// Starts converting `image` in this process unless it is already; false if it was.
+/// Takes `image` into this process's conversions: converts it now if a worker is free,
+/// else lines it up for the next free one; false if this process had it already.
 fn run_here(reg: &Arc<Registry>, image: Digest) -> bool {
-    if reg.config.convert_workers == 0 || !reg.start_converting(&image) {
+    if reg.config.convert_workers == 0 {
         return false;
     }
-    let reg = reg.clone();
-    tokio::spawn(async move {
-        if let Err(e) = claim_and_convert(&reg, &image).await {
-            tracing::warn!(%image, error = %format!("{e:#}"), "conversion could not be run");
+    match reg.take_conversion(&image) {
+        Taken::Start => {
+            spawn_worker(reg, image);
+            true
         }
-        reg.stop_converting(&image);
-    });
-    true
+        Taken::LinedUp => true,
+        Taken::Already => false,
+    }
 }
 
-/// Waits for a worker, claims the work item and converts the image, renewing the lease
-/// meanwhile; then records the outcome and removes the item.
+/// A worker: converts `image`, then each lined-up image in turn until none is left.
+fn spawn_worker(reg: &Arc<Registry>, image: Digest) {
+    let reg = reg.clone();
+    tokio::spawn(async move {
+        let mut image = image;
+        loop {
+            if let Err(e) = claim_and_convert(&reg, &image).await {
+                tracing::warn!(%image, error = %format!("{e:#}"), "conversion could not be run");
+            }
+            match reg.next_conversion(&image) {
+                Some(next) => image = next,
+                None => break,
+            }
+        }
+    });
+}
+
+/// Claims the work item and converts the image, renewing the lease meanwhile; then
+/// records the outcome and removes the item.
 async fn claim_and_convert(reg: &Arc<Registry>, image: &Digest) -> anyhow::Result<()> {
-    let _permit = reg.convert_slots.clone().acquire_owned().await?;
     let me = reg.replica_id.clone();
     let lease = reg.config.conversion_lease_secs;
     let (item, version) = loop {
         let Some((mut item, version)) = reg.conversion_work(image).await? else {
-            // Finished (here or elsewhere) while this waited for a worker.
+            // Finished (here or elsewhere) while it was lined up.
             done(reg, image).await?;
             return Ok(());
         };
