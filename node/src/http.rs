@@ -475,8 +475,7 @@ fn frames(p: Arc<Process>, from: u64, activity: Option<Activity>) -> Body {
                     let mut last = next;
                     let mut end = false;
                     for f in &frames {
-                        serde_json::to_writer(&mut text, f).expect("json");
-                        text.push(b'\n');
+                        ndjson_line(&mut text, f);
                         last = f.seq() + 1;
                         end |= f.is_end();
                     }
@@ -491,6 +490,12 @@ fn frames(p: Arc<Process>, from: u64, activity: Option<Activity>) -> Body {
         },
     );
     Body::from_stream(stream)
+}
+
+/// Appends `frame` to `out` as one line of a streamed answer.
+fn ndjson_line(out: &mut Vec<u8>, frame: &impl serde::Serialize) {
+    serde_json::to_writer(&mut *out, frame).expect("frames serialize");
+    out.push(b'\n');
 }
 
 fn ndjson(body: Body) -> Response {
@@ -527,9 +532,8 @@ async fn prefetch(
     let r = json(body)?;
     let frames = node.prefetch(&r.image).await?;
     let lines = futures_util::stream::unfold(frames, |mut frames| async move {
-        let f = frames.recv().await?;
-        let mut line = serde_json::to_vec(&f).expect("json");
-        line.push(b'\n');
+        let mut line = Vec::new();
+        ndjson_line(&mut line, &frames.recv().await?);
         Some((Ok::<_, Infallible>(Bytes::from(line)), frames))
     });
     Ok(ndjson(Body::from_stream(lines)))

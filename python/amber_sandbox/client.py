@@ -9,6 +9,7 @@ nodes whose cache already holds the env's chunks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -99,24 +100,15 @@ class AsyncNode:
         """Fetches every chunk of `image`'s env into this node's cache, calling
         `on_progress` with each frame (a few a second at most); returns the last one.
         Raises `ImageNotFound`, `IntegrityError`, … as `create` would."""
-        try:
-            async with self._http.stream("POST", "/v1/prefetch", json={"image": image}) as r:
-                if not r.is_success:
-                    await r.aread()
-                    _raise_for(r)
-                async for line in r.aiter_lines():
-                    if not line:
-                        continue
-                    d = json.loads(line)
-                    if d["type"] == "error":
-                        raise BY_KIND.get(d["kind"], AmberError)(d["message"])
-                    frame = PrefetchProgress.parse(d)
-                    if on_progress:
-                        on_progress(frame)
-                    if frame.done:
-                        return frame
-        except httpx.ConnectError as e:
-            raise NodeUnreachable(f"amberd at {self.address.url} does not answer: {e}") from e
+        async with contextlib.aclosing(self._lines("POST", "/v1/prefetch", json={"image": image})) as lines:
+            async for d in lines:
+                if d["type"] == "error":
+                    raise BY_KIND.get(d["kind"], AmberError)(d["message"])
+                frame = PrefetchProgress.parse(d)
+                if on_progress:
+                    on_progress(frame)
+                if frame.done:
+                    return frame
         raise NodeUnreachable(f"amberd at {self.address.url} ended a prefetch of {image} before it was done")
 
     async def health(self) -> dict[str, Any]:
@@ -183,8 +175,8 @@ class AsyncNode:
         r = await self._request("POST", f"/v1/sandboxes/{sandbox_id}/exec", json=body)
         return ExecResult.parse(r.json())
 
-    async def _frames(self, method: str, path: str, **kw) -> AsyncIterator[ExecFrame]:
-        """Newline-delimited frames of a streamed answer, as they arrive."""
+    async def _lines(self, method: str, path: str, **kw) -> AsyncIterator[dict[str, Any]]:
+        """The JSON lines of a streamed (newline-delimited) answer, as they arrive."""
         try:
             async with self._http.stream(method, path, **kw) as r:
                 if not r.is_success:
@@ -192,9 +184,14 @@ class AsyncNode:
                     _raise_for(r)
                 async for line in r.aiter_lines():
                     if line:
-                        yield ExecFrame.parse(json.loads(line))
+                        yield json.loads(line)
         except httpx.ConnectError as e:
             raise NodeUnreachable(f"amberd at {self.address.url} does not answer: {e}") from e
+
+    async def _frames(self, method: str, path: str, **kw) -> AsyncIterator[ExecFrame]:
+        """A streamed command's frames, as they arrive."""
+        async for d in self._lines(method, path, **kw):
+            yield ExecFrame.parse(d)
 
     def exec_stream(self, sandbox_id: str, body: Mapping[str, Any]) -> AsyncIterator[ExecFrame]:
         return self._frames("POST", f"/v1/sandboxes/{sandbox_id}/exec/stream", json=body)

@@ -39,6 +39,7 @@ pub mod reindex;
 pub mod repository;
 pub mod server;
 pub mod store;
+pub mod stripes;
 pub mod ui;
 pub mod uploads;
 pub mod upstream;

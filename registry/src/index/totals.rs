@@ -107,10 +107,7 @@ pub struct Sharing {
 
 impl Index {
     pub(super) fn stripe(&self, key: &[u8]) -> std::sync::MutexGuard<'_, ()> {
-        let h = key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
-        });
-        let lock = &self.stripes[(h % STRIPES as u64) as usize];
+        let lock = &self.stripes[crate::stripes::stripe_of(key, STRIPES)];
         crate::blocking::run(|| lock.lock().unwrap_or_else(|p| p.into_inner()))
     }
 

@@ -227,10 +227,7 @@ impl FsStore {
     /// The lock serialising writes of record `key`: held across read-compare-rename, it
     /// makes a put a compare-and-swap (one process owns an fs store).
     async fn record_lock(&self, key: &RecordKey) -> tokio::sync::MutexGuard<'_, ()> {
-        let h = key.as_str().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-        });
-        self.record_locks[(h % RECORD_LOCKS as u64) as usize]
+        self.record_locks[crate::stripes::stripe_of(key.as_str().as_bytes(), RECORD_LOCKS)]
             .lock()
             .await
     }
