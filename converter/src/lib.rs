@@ -69,6 +69,20 @@ pub struct Converted {
     pub chunks: u64,
     /// The states `Reuse::keep` asked for, in chain order.
     pub chains: Vec<ChainState>,
+    /// Where each small file of the device sits in its pack (what a layer's bytes can
+    /// be rebuilt from: a registry keeps an uncompressed layer as references to these).
+    pub packed: Vec<PackedFile>,
+}
+
+/// A small file (below `chunk::LARGE_FILE`) as the device lays it out: `len` bytes at
+/// `offset` of pack chunk `chunk` (`None`: the pack was all zeros, a hole).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PackedFile {
+    /// blake3 of the file's bytes.
+    pub hash: [u8; 32],
+    pub len: u64,
+    pub chunk: Option<manifest::ChunkId>,
+    pub offset: u32,
 }
 
 /// Converts `layers` (applied in order) into a block device.
@@ -234,6 +248,20 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
         extents: chunked.extents,
     };
     debug_assert!(manifest.validate().is_ok());
+    let packed = image
+        .files
+        .iter()
+        .zip(&chunked.locations)
+        .filter_map(|(f, loc)| match loc {
+            DataLocation::Packed { chunk, offset, .. } if f.data.len > 0 => Some(PackedFile {
+                hash: f.data.hash,
+                len: f.data.len,
+                chunk: *chunk,
+                offset: *offset,
+            }),
+            _ => None,
+        })
+        .collect();
     let placed: HashMap<tree::InodeId, DataLocation> = image
         .files
         .iter()
@@ -262,6 +290,7 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
         inodes: image.inodes,
         chunks: chunked.chunks,
         chains,
+        packed,
     })
 }
 

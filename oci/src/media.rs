@@ -12,6 +12,7 @@ pub const OCI_LAYER_TAR: &str = "application/vnd.oci.image.layer.v1.tar";
 pub const OCI_LAYER_GZIP: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 pub const OCI_LAYER_ZSTD: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
 pub const DOCKER_LAYER_GZIP: &str = "application/vnd.docker.image.rootfs.diff.tar.gzip";
+pub const DOCKER_LAYER_TAR: &str = "application/vnd.docker.image.rootfs.diff.tar";
 
 /// The `Accept` header for an image manifest (either format).
 pub const ACCEPT_IMAGE_MANIFEST: &str =

@@ -94,7 +94,7 @@ fn object_reader(
     key: ObjectKey,
     size: u64,
 ) -> anyhow::Result<impl Read> {
-    let stream = handle.block_on(store.read(&key, 0..size))?;
+    let stream = handle.block_on(crate::recipe::read_object(store, &key, 0..size))?;
     Ok(SyncIoBridge::new_with_handle(
         StreamReader::new(stream),
         handle.clone(),
@@ -233,6 +233,14 @@ fn converted_chain(
     )))
 }
 
+/// One layer of the image being converted.
+struct Layer {
+    digest: Digest,
+    size: u64,
+    /// An uncompressed tar (its media type says so): it may be kept as a recipe.
+    uncompressed: bool,
+}
+
 /// Converts one stored image manifest; returns its env digest. Work done before for the
 /// same lower layers is reused (`amber_converter::chain`): the layers below the longest
 /// kept chain are not read, and an image whose every layer was converted before (the
@@ -256,19 +264,30 @@ pub(crate) fn convert_image(
         // Another replica may have stored the layer: the store answers for its index.
         let size = match reg.index.blob_size(&d)? {
             Some(size) => Some(size),
-            None => handle.block_on(reg.store.stat(&ObjectKey::blob(&d)))?,
+            None => handle.block_on(crate::recipe::stored_size(
+                reg.store.as_ref(),
+                &ObjectKey::blob(&d),
+            ))?,
         }
         .ok_or_else(|| {
             anyhow::anyhow!(
                 "layer {d} is not stored (non-distributable layers cannot be converted)"
             )
         })?;
-        layers.push((d, size));
+        let uncompressed = matches!(
+            l["mediaType"].as_str(),
+            Some(amber_oci::media::OCI_LAYER_TAR | amber_oci::media::DOCKER_LAYER_TAR)
+        );
+        layers.push(Layer {
+            digest: d,
+            size,
+            uncompressed,
+        });
     }
     let keys = chain_keys(
         &layers
             .iter()
-            .map(|(d, _)| d.to_string())
+            .map(|l| l.digest.to_string())
             .collect::<Vec<_>>(),
     );
     let reused = match keys.last() {
@@ -303,20 +322,20 @@ fn convert_and_keep(
     reg: &Arc<Registry>,
     handle: &Handle,
     image: &Digest,
-    layers: &[(Digest, u64)],
+    layers: &[Layer],
     keys: &[ChainKey],
 ) -> anyhow::Result<(String, Bytes)> {
     let start = match keys.len() {
         0 => None,
         n => longest_kept_chain(reg, handle, &keys[..n - 1])?,
     };
-    let out = match start {
+    let (out, read) = match start {
         Some(state) => {
             let reused = state.layers as usize;
             match convert_layers(reg, handle, layers, keys, Some(state)) {
                 Ok(out) => {
                     metrics::counter!(CONVERT_LAYERS_REUSED).increment(reused as u64);
-                    out
+                    (out, &layers[reused..])
                 }
                 // The image's own layers are refused (hostile entry, limits): converting
                 // every layer would only fail again, later.
@@ -332,11 +351,11 @@ fn convert_and_keep(
                     // A kept state is derived data: if it cannot be used (a chunk it
                     // names unreadable, say), convert every layer instead.
                     tracing::warn!(%image, error = %format!("{e:#}"), "conversion from a kept layer chain failed; converting every layer");
-                    convert_layers(reg, handle, layers, keys, None)?
+                    (convert_layers(reg, handle, layers, keys, None)?, layers)
                 }
             }
         }
-        None => convert_layers(reg, handle, layers, keys, None)?,
+        None => (convert_layers(reg, handle, layers, keys, None)?, layers),
     };
     let env = out.manifest.env_digest();
     let envelope = ManifestEnvelope {
@@ -364,7 +383,68 @@ fn convert_and_keep(
         })?;
         handle.block_on(reg.store.put(&ObjectKey::chain_env(key), Bytes::from(memo)))?;
     }
+    // The uncompressed layers this conversion read are now mostly chunks.
+    let packed = crate::recipe::PackedFiles::new(&out.packed);
+    for layer in read.iter().filter(|l| l.uncompressed) {
+        keep_as_recipe(reg, handle, layer, &packed);
+    }
     Ok((env.to_string(), envelope_bytes))
+}
+
+/// Replaces an uncompressed layer blob by its recipe when chunks hold most of it
+/// (`crate::recipe`). Never fails the conversion: a layer that cannot be kept as a
+/// recipe stays as it is.
+fn keep_as_recipe(
+    reg: &Arc<Registry>,
+    handle: &Handle,
+    layer: &Layer,
+    packed: &crate::recipe::PackedFiles,
+) {
+    if layer.size < crate::recipe::MIN_BLOB {
+        return;
+    }
+    let d = &layer.digest;
+    let started = std::time::Instant::now();
+    let made = (|| -> anyhow::Result<Option<u64>> {
+        let blob = ObjectKey::blob(d);
+        if handle.block_on(reg.store.stat(&blob))?.is_none() {
+            return Ok(None); // a recipe already, or another replica's doing
+        }
+        let reader = object_reader(&reg.store, handle, blob.clone(), layer.size)?;
+        let mut has_chunk = |id: &ChunkId| -> io::Result<bool> {
+            if reg
+                .index
+                .chunk(&id.to_string())
+                .map_err(io::Error::other)?
+                .is_some()
+            {
+                return Ok(true);
+            }
+            Ok(handle
+                .block_on(reg.store.stat(&ObjectKey::chunk(id)))
+                .map_err(io::Error::other)?
+                .is_some())
+        };
+        let Some(planned) = crate::recipe::plan(d, reader, packed, &mut has_chunk)? else {
+            return Ok(None);
+        };
+        handle.block_on(crate::recipe::verify(reg.store.clone(), &planned))?;
+        let stored = planned.object.len() as u64;
+        handle.block_on(reg.store.put(&ObjectKey::recipe(d), planned.object))?;
+        handle.block_on(reg.store.remove(&blob))?;
+        Ok(Some(stored))
+    })();
+    match made {
+        Ok(Some(stored)) => {
+            metrics::counter!(crate::recipe::RECIPES_MADE).increment(1);
+            metrics::counter!(crate::recipe::RECIPE_BLOB_BYTES).increment(layer.size);
+            tracing::info!(layer = %d, blob_bytes = layer.size, recipe_bytes = stored, secs = started.elapsed().as_secs_f64(), "layer kept as a recipe over chunks");
+        }
+        Ok(None) => {}
+        Err(e) => {
+            tracing::warn!(layer = %d, error = %format!("{e:#}"), "layer kept as it is: no recipe")
+        }
+    }
 }
 
 /// Runs the converter over the layers above `start` (all of them without one), keeping
@@ -373,21 +453,21 @@ fn convert_and_keep(
 fn convert_layers(
     reg: &Arc<Registry>,
     handle: &Handle,
-    layers: &[(Digest, u64)],
+    layers: &[Layer],
     keys: &[ChainKey],
     start: Option<ChainState>,
 ) -> anyhow::Result<amber_converter::Converted> {
     let first = start.as_ref().map_or(0, |s| s.layers as usize);
     metrics::counter!(CONVERT_LAYERS_READ).increment((layers.len() - first) as u64);
     let mut inputs = Vec::new();
-    for (d, size) in &layers[first..] {
+    for l in &layers[first..] {
         inputs.push(LayerInput {
-            name: d.to_string(),
+            name: l.digest.to_string(),
             reader: Box::new(object_reader(
                 &reg.store,
                 handle,
-                ObjectKey::blob(d),
-                *size,
+                ObjectKey::blob(&l.digest),
+                l.size,
             )?),
         });
     }

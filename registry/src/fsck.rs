@@ -1,5 +1,5 @@
 //! `amber-registry fsck`: re-hashes every stored object (blobs by their OCI digest,
-//! chunks by blake3 of their decompressed bytes, block manifests by their env digest) and
+//! layer recipes by the digest of the blob they rebuild, chunks by blake3 of their decompressed bytes, block manifests by their env digest) and
 //! checks the index against the store. Reports problems and changes nothing; `repair`
 //! then removes only unreferenced partial data (staged uploads no session refers to).
 
@@ -8,7 +8,6 @@ use futures_util::StreamExt;
 
 use crate::registry::Registry;
 use crate::store::ObjectKey;
-use amber_oci::digest::Digest;
 
 /// One inconsistency found by fsck.
 #[derive(Debug, PartialEq, Eq)]
@@ -62,12 +61,7 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
     let mut problems = Vec::new();
     let keys = reg.store.list("blobs/").await?;
     for key in &keys {
-        let parts: Vec<&str> = key.as_str().split('/').collect();
-        let digest: Option<Digest> = match parts.as_slice() {
-            ["blobs", alg, _, hex] => format!("{alg}:{hex}").parse().ok(),
-            _ => None,
-        };
-        let Some(digest) = digest.filter(|d| &ObjectKey::blob(d) == key) else {
+        let Some(digest) = key.blob_digest() else {
             problems.push(Problem::UnexpectedObject {
                 key: key.as_str().into(),
             });
@@ -84,6 +78,22 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
             problems.push(Problem::CorruptObject {
                 key: key.as_str().into(),
                 actual: actual.to_string(),
+            });
+        }
+    }
+    // Recipes: each rebuilds, from its chunks and literals, exactly the blob it names.
+    let recipe_keys = reg.store.list("recipes/").await?;
+    for key in &recipe_keys {
+        let Some(digest) = key.recipe_digest() else {
+            problems.push(Problem::UnexpectedObject {
+                key: key.as_str().into(),
+            });
+            continue;
+        };
+        if let Err(e) = crate::recipe::check(&reg.store, &digest).await {
+            problems.push(Problem::CorruptObject {
+                key: key.as_str().into(),
+                actual: e.to_string(),
             });
         }
     }
@@ -131,7 +141,7 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
         }
     }
     for (digest, indexed) in reg.index.blobs()? {
-        match reg.store.stat(&ObjectKey::blob(&digest)).await? {
+        match crate::recipe::stored_size(reg.store.as_ref(), &ObjectKey::blob(&digest)).await? {
             None => problems.push(Problem::MissingObject {
                 digest: digest.to_string(),
             }),
@@ -158,7 +168,7 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
         }
     }
     Ok((
-        keys.len() + chunk_keys.len() + env_keys.len() + staged.len(),
+        keys.len() + recipe_keys.len() + chunk_keys.len() + env_keys.len() + staged.len(),
         problems,
     ))
 }

@@ -12,6 +12,8 @@
 //! - `ui` (the catalog pages under `/ui/`: HTML over the same domain calls, the same
 //!   accounts and rights), reached only through `api`'s dispatcher;
 //! - `envs` (env summaries, sharing, the stored-bytes history);
+//! - `recipe` (uncompressed layer blobs kept as references to the chunks that hold
+//!   their files, and reading any blob whichever way it is kept);
 //! - `records` (repository records: the store's truth that the index caches),
 //!   `uploads` (upload session records, recovery and expiry), `registry` (shared state,
 //!   opening), `auth` (accounts, tokens);
@@ -33,6 +35,7 @@ pub mod fsck;
 pub mod index;
 pub mod metrics;
 pub mod mirrors;
+pub mod recipe;
 pub mod records;
 pub mod registry;
 pub mod reindex;

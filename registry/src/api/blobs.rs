@@ -79,7 +79,12 @@ pub async fn serve_object(reg: &AppState, o: ObjectResponse<'_>) -> ApiResult<Re
     // With `s3_redirect`, object bytes come straight from the bucket: the client follows
     // a short-lived presigned URL (Range and all), and the registry only answers for
     // access and existence.
-    if !o.head && reg.config.s3.redirect.unwrap_or(false) {
+    // A layer blob kept as a recipe (`crate::recipe`) has no object to redirect to: it
+    // is rebuilt here, so a blob is looked at before its URL is handed out.
+    let redirect = !o.head
+        && reg.config.s3.redirect.unwrap_or(false)
+        && (o.key.blob_digest().is_none() || reg.store.stat(&o.key).await?.is_some());
+    if redirect {
         if let Some(url) = reg.store.presign_get(&o.key, PRESIGNED_TTL).await? {
             metrics::counter!(crate::metrics::REDIRECTS).increment(1);
             return Ok(Response::builder()
@@ -119,7 +124,7 @@ pub async fn serve_object(reg: &AppState, o: ObjectResponse<'_>) -> ApiResult<Re
     let body = if o.head {
         axum::body::Body::empty()
     } else {
-        counted_body(reg.store.read(&o.key, r).await?)
+        counted_body(crate::recipe::read_object(&reg.store, &o.key, r).await?)
     };
     Ok(builder
         .body(body)

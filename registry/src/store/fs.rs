@@ -513,6 +513,14 @@ impl ObjectStore for FsStore {
         self.remove_staged(id).await
     }
 
+    async fn remove(&self, key: &ObjectKey) -> Result<(), StoreError> {
+        match tokio::fs::remove_file(self.path(key)).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(StoreError::io(key.as_str(), e)),
+        }
+    }
+
     async fn remove_staged(&self, id: &str) -> Result<(), StoreError> {
         match tokio::fs::remove_file(self.staged(id)?).await {
             Ok(()) => Ok(()),

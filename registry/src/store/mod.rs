@@ -4,9 +4,11 @@
 //!
 //! Two namespaces:
 //! - published objects, named by an [`ObjectKey`] derived from a content digest. They are
-//!   create-once and immutable: there is no delete and no overwrite. A published object is
-//!   always complete, because it is only ever made visible by an atomic publish of a fully
-//!   written, durable staged object.
+//!   create-once and immutable: there is no overwrite, and the one removal is of a layer
+//!   blob whose verified recipe (`crate::recipe`) is published first, so the blob's
+//!   bytes stay readable throughout. A published object is always complete, because it
+//!   is only ever made visible by an atomic publish of a fully written, durable staged
+//!   object.
 //! - staged objects (upload sessions), named by a session id. They are appended to,
 //!   truncated back to the last acknowledged length after a crash, and either published
 //!   under a key or removed.
@@ -64,6 +66,17 @@ impl ObjectKey {
         ObjectKey(format!("envs/blake3/{}/{hex}", &hex[..2]))
     }
 
+    /// The key of a layer blob's recipe (`crate::recipe`): how to rebuild the blob
+    /// with `digest` from chunks, kept instead of the blob itself.
+    pub fn recipe(digest: &Digest) -> ObjectKey {
+        ObjectKey(format!(
+            "recipes/{}/{}/{}",
+            digest.algorithm().name(),
+            &digest.hex()[..2],
+            digest.hex()
+        ))
+    }
+
     /// The key of a kept layer-chain state (`amber_converter::chain`), named by its
     /// chain key. Derived data: a missing or damaged one only costs a full conversion.
     pub fn chain(key: &amber_converter::chain::ChainKey) -> ObjectKey {
@@ -83,6 +96,27 @@ impl ObjectKey {
     pub fn chain_seen(key: &amber_converter::chain::ChainKey) -> ObjectKey {
         let hex = key.hex();
         ObjectKey(format!("chains/blake3/{}/{hex}.seen", &hex[..2]))
+    }
+
+    /// The digest of the blob this key names, `None` for any other object.
+    pub fn blob_digest(&self) -> Option<Digest> {
+        self.digest_under("blobs", ObjectKey::blob)
+    }
+
+    /// The digest of the blob whose recipe this key names, `None` for any other object.
+    pub fn recipe_digest(&self) -> Option<Digest> {
+        self.digest_under("recipes", ObjectKey::recipe)
+    }
+
+    /// `top/<algorithm>/<xx>/<hex>` as a digest, if `make` gives this key back from it.
+    fn digest_under(&self, top: &str, make: fn(&Digest) -> ObjectKey) -> Option<Digest> {
+        match self.0.split('/').collect::<Vec<_>>().as_slice() {
+            [t, alg, _, hex] if *t == top => format!("{alg}:{hex}")
+                .parse()
+                .ok()
+                .filter(|d| &make(d) == self),
+            _ => None,
+        }
     }
 
     pub fn as_str(&self) -> &str {
@@ -277,6 +311,11 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// Streams the first `len` bytes of staged object `id` (its acknowledged bytes); an
     /// error if fewer are staged.
     async fn read_staged(&self, id: &str, len: u64) -> Result<ByteStream, StoreError>;
+
+    /// Removes a published object; removing a missing one is not an error. Only for a
+    /// layer blob whose recipe is published and verified (`crate::recipe`): every other
+    /// published object is kept forever.
+    async fn remove(&self, key: &ObjectKey) -> Result<(), StoreError>;
 
     /// Makes the first `len` bytes of staged object `id` visible as `key`, atomically, and
     /// forgets `id` (with anything staged past `len`). If `key` exists already it is kept

@@ -718,6 +718,10 @@ impl ObjectStore for S3Store {
         Ok(())
     }
 
+    async fn remove(&self, key: &ObjectKey) -> Result<(), StoreError> {
+        self.delete(&self.key(key)).await
+    }
+
     async fn remove_staged(&self, id: &str) -> Result<(), StoreError> {
         let prefix = self.staged_prefix(id)?;
         self.abort_dangling(&prefix).await;

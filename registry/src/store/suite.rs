@@ -22,6 +22,7 @@ async fn collect(s: ByteStream) -> Vec<u8> {
 
 pub async fn run(store: &dyn ObjectStore) {
     put_is_create_once(store).await;
+    remove_is_of_one_object_and_idempotent(store).await;
     ranges(store).await;
     ranges_of_a_large_object(store).await;
     staged_lifecycle(store).await;
@@ -156,6 +157,37 @@ async fn put_is_create_once(store: &dyn ObjectStore) {
     assert_eq!(&store.read_all(&key).await.unwrap()[..], b"manifest");
     let listed = store.list("blobs/sha256/").await.unwrap();
     assert!(listed.contains(&key));
+}
+
+/// Removal (a layer blob replaced by its recipe): the object is gone for stat, read and
+/// listing, its neighbours stay, a second removal is not an error, and a later publish
+/// of the same content makes it readable again.
+async fn remove_is_of_one_object_and_idempotent(store: &dyn ObjectStore) {
+    let gone = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"layer to remove"));
+    let kept = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"layer to keep"));
+    store
+        .put(&gone, Bytes::from_static(b"layer to remove"))
+        .await
+        .unwrap();
+    store
+        .put(&kept, Bytes::from_static(b"layer to keep"))
+        .await
+        .unwrap();
+    store.remove(&gone).await.unwrap();
+    store.remove(&gone).await.unwrap();
+    assert_eq!(store.stat(&gone).await.unwrap(), None);
+    assert!(matches!(
+        store.read(&gone, 0..5).await.map(|_| ()),
+        Err(StoreError::NotFound(_))
+    ));
+    let listed = store.list("blobs/sha256/").await.unwrap();
+    assert!(!listed.contains(&gone) && listed.contains(&kept));
+    assert_eq!(&store.read_all(&kept).await.unwrap()[..], b"layer to keep");
+    store
+        .put(&gone, Bytes::from_static(b"layer to remove"))
+        .await
+        .unwrap();
+    assert_eq!(store.stat(&gone).await.unwrap(), Some(15));
 }
 
 async fn ranges(store: &dyn ObjectStore) {

@@ -450,7 +450,7 @@ async fn import_image(
         }
         let held = match reg.repo_blob(&item.target, d).await? {
             Some(s) => Some(s),
-            None => reg.store.stat(&ObjectKey::blob(d)).await?,
+            None => crate::recipe::stored_size(reg.store.as_ref(), &ObjectKey::blob(d)).await?,
         };
         if held.is_none() {
             missing.push((d.clone(), size));
