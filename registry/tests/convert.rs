@@ -161,6 +161,104 @@ async fn pushed_images_convert_to_the_same_device_whatever_the_compression_on(st
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncompressed_layer_is_kept_as_a_recipe_and_served_byte_for_byte() {
+    an_uncompressed_layer_is_kept_as_a_recipe_on(Storage::Fs).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncompressed_layer_is_kept_as_a_recipe_and_served_byte_for_byte_on_s3() {
+    an_uncompressed_layer_is_kept_as_a_recipe_on(Storage::S3).await;
+}
+
+/// A plain tar layer whose files the env's chunks hold is kept as a recipe over them
+/// (the blob object goes), and every reader gets the blob's exact bytes: a pull, a range,
+/// and a later conversion that reads the layer again.
+async fn an_uncompressed_layer_is_kept_as_a_recipe_on(storage: Storage) {
+    let s = Server::start_on(storage, &[]);
+    let tars = layers();
+    let (big, small) = (&tars[0], &tars[1]);
+    assert!(big.len() > 1 << 20 && small.len() < 1 << 20);
+    let blobs: Vec<LayerBlob> = tars.iter().map(|t| (t.clone(), TAR)).collect();
+    push_image(&s, "conv/recipe", "v1", &blobs).await;
+    let v = settled(&s, "conv/recipe", "v1").await;
+    assert_eq!(v["state"], "done", "{v}");
+    let metrics = metrics_text(&s).await;
+    assert_eq!(
+        metric(&metrics, "amber_layer_recipes_total"),
+        1,
+        "only the 1 MiB+ layer"
+    );
+    assert_eq!(
+        metric(&metrics, "amber_layer_recipe_blob_bytes_total"),
+        big.len() as u64
+    );
+    let big_digest = sha256(big);
+    let hex = big_digest.trim_start_matches("sha256:");
+    if storage == Storage::Fs {
+        let store = s.data.join("store");
+        assert!(!store
+            .join(format!("blobs/sha256/{}/{hex}", &hex[..2]))
+            .exists());
+        let recipe = store.join(format!("recipes/sha256/{}/{hex}", &hex[..2]));
+        let kept = std::fs::metadata(&recipe).unwrap().len();
+        assert!(
+            kept < 16 * 1024,
+            "the recipe of a 2.5 MB layer is {kept} bytes"
+        );
+        let small_hex = sha256(small);
+        let small_hex = small_hex.trim_start_matches("sha256:");
+        assert!(store
+            .join(format!("blobs/sha256/{}/{small_hex}", &small_hex[..2]))
+            .exists());
+    }
+    // A pull: whole, HEAD, and ranges inside and across the large file.
+    let url = s.url(&format!("/v2/conv/recipe/blobs/{big_digest}"));
+    let r = client().get(&url).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["docker-content-digest"], big_digest.as_str());
+    let got = r.bytes().await.unwrap();
+    assert!(got[..] == big[..], "the blob rebuilt from its recipe");
+    let r = client().head(&url).send().await.unwrap();
+    assert_eq!(
+        r.headers()["content-length"],
+        big.len().to_string().as_str()
+    );
+    let n = big.len();
+    for (a, b) in [(0, 511), (700, 1_500_000), (n - 3000, n - 1)] {
+        let r = client()
+            .get(&url)
+            .header("Range", format!("bytes={a}-{b}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 206);
+        let got = r.bytes().await.unwrap();
+        assert!(got[..] == big[a..=b], "range {a}-{b}");
+    }
+    // Another image over the same layer reads it through the recipe; its env is what a
+    // conversion of the original bytes gives.
+    let top = files_tar(&[("srv/other.txt", &b"other"[..])]);
+    push_image(
+        &s,
+        "conv/recipe",
+        "v2",
+        &[(big.clone(), TAR), (top.clone(), TAR)],
+    )
+    .await;
+    let v = settled(&s, "conv/recipe", "v2").await;
+    assert_eq!(v["state"], "done", "{v}");
+    let (local_env, _) = local_conversion(&[big.clone(), top]);
+    assert_eq!(v["env_digest"], local_env);
+    // Pushing the layer again (this client does not ask first) stored nothing again.
+    let metrics = metrics_text(&s).await;
+    assert_eq!(metric(&metrics, "amber_layer_recipes_total"), 1);
+    if storage == Storage::Fs {
+        let blob = format!("store/blobs/sha256/{}/{hex}", &hex[..2]);
+        assert!(!s.data.join(blob).exists());
+    }
+}
+
 /// A base, an environment layer and two task layers that overwrite, delete (whiteouts),
 /// hide (an opaque directory) and hard-link what the layers below them hold.
 fn shared_base_layers() -> (Vec<Vec<u8>>, Vec<u8>, Vec<u8>, Vec<u8>) {

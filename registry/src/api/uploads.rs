@@ -468,9 +468,15 @@ async fn complete(
             s.offset
         )));
     }
-    reg.store
-        .publish_staged(id, s.offset, &ObjectKey::blob(&digest))
-        .await?;
+    // A layer this registry keeps as a recipe (`crate::recipe`) is not stored again.
+    let known = reg.index.blob_size(&digest)?.is_some();
+    if known && reg.store.stat(&ObjectKey::recipe(&digest)).await?.is_some() {
+        reg.store.remove_staged(id).await?;
+    } else {
+        reg.store
+            .publish_staged(id, s.offset, &ObjectKey::blob(&digest))
+            .await?;
+    }
     reg.link_blob(name, &digest, s.offset).await?;
     reg.finish_upload_session(sid).await?;
     Ok(created(name, &digest))

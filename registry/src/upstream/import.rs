@@ -532,7 +532,10 @@ async fn fetch_blob(
     let lock = reg.upstreams.lock(&lock_key);
     let result = async {
         let _guard = lock.lock().await;
-        if reg.store.stat(&key).await?.is_some() {
+        if crate::recipe::stored_size(reg.store.as_ref(), &key)
+            .await?
+            .is_some()
+        {
             return Ok(false);
         }
         let stream = client.blob(repo, digest).await?;
