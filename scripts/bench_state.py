@@ -4,8 +4,8 @@
             that wrote 500 MiB (incompressible bytes, uploaded through the node API so the
             harness knows exactly what was written): snapshot time (frozen, pushed,
             converted), and the bytes the registry's store grew by (new chunks, the layer
-            blob, manifests) against the compressed size of what was written (zstd -9,
-            as chunks are stored, and gzip -1, as the layer is).
+            as a recipe over them, manifests) against the compressed size of what was
+            written (zstd -9, as chunks are stored).
   fork      time from one batch request of 8 sandboxes of the snapshot to 8 ready,
             against the same batch of the snapshot's base image.
   resume    time from `resume` to a command's output, against a cold boot of the same
@@ -32,6 +32,7 @@ from amber_sandbox import AsyncNode  # noqa: E402
 from bench_node import Amberd, docker  # noqa: E402
 
 MIB = 1 << 20
+KIB = 1 << 10
 
 
 def tree_bytes(d):
@@ -50,6 +51,7 @@ def store_bytes(data):
     return {
         "chunks": tree_bytes(os.path.join(store, "chunks")),
         "blobs": tree_bytes(os.path.join(store, "blobs")),
+        "recipes": tree_bytes(os.path.join(store, "recipes")),
         "all": tree_bytes(store),
     }
 
@@ -82,7 +84,6 @@ async def snapshot_case(node, ref, data_dir, work, mib):
             "layer_bytes": snap.layer_bytes,
             "new": {k: after[k] - before[k] for k in after},
             "zstd9": compressed(local, ["zstd", "-9", "-q"]),
-            "gzip1": compressed(local, ["gzip", "-1"]),
             "image": snap.image,
         }
         os.remove(local)
@@ -211,26 +212,27 @@ def state_section(res):
         "frozen while it sends its changes; pushed: the layer and manifest are in the registry;",
         "converted: the registry has the snapshot's env (it converts the whole image again, base",
         "layers included, and stores only the chunks it lacks). Stored new bytes: what the",
-        "registry's store grew by.",
+        "registry's store grew by. The snapshot's layer is an uncompressed tar; once converted,",
+        "the registry keeps it as a recipe over the chunks that hold its files (tar headers and",
+        "anything no chunk holds stay literal), and `docker pull` gets it rebuilt byte for byte.",
         "",
-        "| written | frozen (s) | pushed (s) | converted (s) | stored new bytes | of which chunks | of which the layer blob | written, zstd -9 | written, gzip -1 | new chunks / zstd -9 |",
+        "| written | frozen (s) | pushed (s) | converted (s) | stored new bytes | of which chunks | of which layer blobs | of which the layer's recipe | written, zstd -9 | stored new / zstd -9 |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in res["snapshots"]:
         n = c["new"]
         lines.append(
             f"| {c['mib']} MiB | {c['frozen_s']:.1f} | {c['pushed_s']:.1f} | {c['converted_s']:.1f} | "
-            f"{n['all'] / MIB:.1f} MiB | {n['chunks'] / MIB:.1f} MiB | {n['blobs'] / MIB:.1f} MiB | "
-            f"{c['zstd9'] / MIB:.1f} MiB | {c['gzip1'] / MIB:.1f} MiB | {n['chunks'] / c['zstd9']:.3f} |"
+            f"{n['all'] / MIB:.1f} MiB | {n['chunks'] / MIB:.1f} MiB | {n['blobs'] / MIB:.2f} MiB | "
+            f"{n['recipes'] / KIB:.1f} KiB | {c['zstd9'] / MIB:.1f} MiB | {n['all'] / c['zstd9']:.3f} |"
         )
     worst = max(c["new"]["chunks"] / c["zstd9"] for c in res["snapshots"])
     worst_all = max(c["new"]["all"] / c["zstd9"] for c in res["snapshots"])
     lines += [
         "",
-        f"Goal: stored new bytes within 10% of the compressed size of what was written. The new chunks",
-        f"alone: {'met' if worst <= 1.10 else 'NOT met'} (at most {worst:.3f}x). Everything the store grew",
-        f"by: {'met' if worst_all <= 1.10 else 'NOT met'} (at most {worst_all:.2f}x): the registry keeps",
-        "the snapshot's layer blob (for `docker pull`) beside the chunks made from it.",
+        f"Goal: stored new bytes within 10% of the compressed size of what was written:",
+        f"{'met' if worst_all <= 1.10 else 'NOT met'} (everything the store grew by: at most {worst_all:.3f}x;",
+        f"the new chunks alone: at most {worst:.3f}x).",
         "",
     ]
     f = res["fork"]

@@ -1,12 +1,18 @@
 //! Snapshots: a running sandbox's files committed as a new image in the registry, the
 //! way `docker commit` makes one. The guest freezes its writable disk and writes the
 //! overlay's upper directory as one OCI layer (`amber_guest::layer`); this module
-//! compresses it (gzip: every Docker engine pulls it; zstd layers fail on engines built
-//! without zstd, such as the one on these machines) into a file beside the sandbox, and pushes the sandbox's image
+//! writes it, uncompressed, into a file beside the sandbox, and pushes the sandbox's image
 //! manifest with that layer added (config: one more diff id and history entry) as an
 //! OCI image manifest. The registry converts it like any push, so a snapshot is pulled
 //! with `docker pull`, pinned by digest, booted, forked and snapshotted again; the
 //! chunks of unchanged files are the base's.
+//!
+//! Why uncompressed: the registry converts the layer into chunks and then keeps the
+//! layer as a recipe over those chunks (`amber_registry::recipe`), which only an
+//! uncompressed tar allows (a gzip stream's bytes depend on its compressor), so a
+//! snapshot costs the registry about what the sandbox wrote, compressed once. It also
+//! keeps the guest's disk frozen for less time: nothing is compressed while it waits.
+//! Every Docker engine pulls uncompressed OCI layers.
 //!
 //! Lineage: the manifest's annotations name the base image (OCI's `base.name` and
 //! `base.digest`) and the whole chain of bases with their env digests
@@ -20,7 +26,8 @@ use amber_distribution::DistributionError;
 use amber_guest::{DATA, ERROR, EXIT, SNAPSHOT};
 use amber_oci::digest::{Algorithm, Digest, Hasher};
 use amber_oci::media::{
-    DOCKER_CONFIG, DOCKER_LAYER_GZIP, OCI_CONFIG, OCI_LAYER_GZIP, OCI_MANIFEST,
+    DOCKER_CONFIG, DOCKER_LAYER_GZIP, DOCKER_LAYER_TAR, OCI_CONFIG, OCI_LAYER_GZIP, OCI_LAYER_TAR,
+    OCI_MANIFEST,
 };
 use amber_oci::reference::ImageRef;
 use amber_snapshotter::source::RegistryClient;
@@ -29,10 +36,6 @@ use serde_json::{json, Value};
 use crate::image::{self, ImageError, BASE_DIGEST_ANNOTATION, BASE_NAME_ANNOTATION};
 use crate::mux::Mux;
 
-/// gzip level of a snapshot's layer: the fastest, so compressing keeps up with the guest
-/// (the guest's disk stays frozen while it sends its changes, and a slower host would
-/// keep it frozen longer). The chunks the registry stores are zstd either way.
-const LAYER_GZIP_LEVEL: u32 = 1;
 /// Docker's foreign (non-distributable) layer type and its OCI name.
 const DOCKER_FOREIGN_GZIP: &str = "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip";
 const OCI_NONDISTRIBUTABLE_GZIP: &str =
@@ -63,21 +66,21 @@ pub enum SnapshotError {
     },
 }
 
-/// The sandbox's changes as a compressed layer file.
+/// The sandbox's changes as an uncompressed tar layer file.
 #[derive(Clone, Debug)]
 pub struct Layer {
     pub path: PathBuf,
-    /// sha256 of the compressed file (the layer's digest in the manifest).
+    /// sha256 of the file (the layer's digest in the manifest).
     pub digest: Digest,
     pub size: u64,
-    /// sha256 of the tar inside (the config's diff id).
+    /// The config's diff id: the same sha256, as the layer is not compressed.
     pub diff_id: Digest,
     pub diff_bytes: u64,
 }
 
 /// Counts and hashes what passes to the file.
 struct HashingFile {
-    file: std::fs::File,
+    file: std::io::BufWriter<std::fs::File>,
     hash: Hasher,
     bytes: u64,
 }
@@ -95,39 +98,36 @@ impl std::io::Write for HashingFile {
     }
 }
 
-/// Compresses the tar pieces received on `rx` into `path`; the layer once `rx` ends.
+/// Writes the tar pieces received on `rx` into `path`; the layer once `rx` ends.
 fn write_layer(
     path: &Path,
     mut rx: tokio::sync::mpsc::Receiver<Vec<u8>>,
 ) -> std::io::Result<Layer> {
     use std::io::Write;
     let file = std::fs::File::create(path)?;
-    let out = HashingFile {
-        file,
+    let mut out = HashingFile {
+        file: std::io::BufWriter::with_capacity(1 << 20, file),
         hash: Algorithm::Sha256.hasher(),
         bytes: 0,
     };
-    let mut z = flate2::write::GzEncoder::new(out, flate2::Compression::new(LAYER_GZIP_LEVEL));
-    let (mut diff, mut diff_bytes) = (Algorithm::Sha256.hasher(), 0u64);
     while let Some(piece) = rx.blocking_recv() {
-        diff.update(&piece);
-        diff_bytes += piece.len() as u64;
-        z.write_all(&piece)?;
+        out.write_all(&piece)?;
     }
-    let mut out = z.finish()?;
     out.flush()?;
-    out.file.sync_all()?;
+    let file = out.file.into_inner().map_err(|e| e.into_error())?;
+    file.sync_all()?;
+    let digest = out.hash.finish();
     Ok(Layer {
         path: path.to_path_buf(),
-        digest: out.hash.finish(),
+        diff_id: digest.clone(),
+        digest,
         size: out.bytes,
-        diff_id: diff.finish(),
-        diff_bytes,
+        diff_bytes: out.bytes,
     })
 }
 
 /// Asks the guest for its changes (it freezes its disk meanwhile) and writes them to
-/// `path` as a gzip layer. Nothing is left at `path` on an error.
+/// `path` as an uncompressed layer. Nothing is left at `path` on an error.
 pub async fn take_layer(mux: &Mux, path: &Path) -> Result<Layer, SnapshotError> {
     let io = |source| SnapshotError::Io {
         path: path.to_path_buf(),
@@ -235,6 +235,7 @@ pub fn target(
 fn oci_layer_type(media_type: &str) -> &str {
     match media_type {
         DOCKER_LAYER_GZIP => OCI_LAYER_GZIP,
+        DOCKER_LAYER_TAR => OCI_LAYER_TAR,
         DOCKER_FOREIGN_GZIP => OCI_NONDISTRIBUTABLE_GZIP,
         other => other,
     }
@@ -311,7 +312,7 @@ pub async fn commit(
         l["mediaType"] = t.into();
     }
     layers.push(json!({
-        "mediaType": OCI_LAYER_GZIP,
+        "mediaType": OCI_LAYER_TAR,
         "digest": layer.digest.to_string(),
         "size": layer.size,
     }));

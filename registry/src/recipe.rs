@@ -160,8 +160,7 @@ impl Recipe {
         })
     }
 
-    /// The recipe object's index, from its first bytes (`HEADER`) and a reader of the
-    /// index bytes that follow.
+    /// The index's length and checksum, from the object's first `HEADER` bytes.
     fn decode_header(head: &[u8]) -> Result<(u64, [u8; 32]), String> {
         let rest = head.strip_prefix(MAGIC).ok_or("bad magic")?;
         if rest.len() < 36 {

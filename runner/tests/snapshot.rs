@@ -62,6 +62,7 @@ fn a_snapshot_is_an_image_that_forks_on_another_node() {
     );
     assert!(!before.contains("./data/gone"), "{before}");
 
+    let recipes = reg.metric_sum("amber_layer_recipes_total", "");
     let snap = json(&a.amber(&reg, &["snapshot", &id, "--tag", "snap/saved:v1", "--json"]));
     let image = snap["image"].as_str().unwrap().to_string();
     assert!(image.starts_with("snap/saved@sha256:"), "{snap}");
@@ -80,6 +81,13 @@ fn a_snapshot_is_an_image_that_forks_on_another_node() {
     // About what the sandbox wrote: 3 MB of random bytes and a few small files.
     let layer = snap["layer_bytes"].as_u64().unwrap();
     assert!((3_000_000..3_300_000).contains(&layer), "{snap}");
+    // The layer (an uncompressed tar) is kept as a recipe over the env's chunks: the
+    // registry stores what the sandbox wrote once, and `docker pull` below gets the
+    // layer rebuilt from it.
+    assert_eq!(
+        reg.metric_sum("amber_layer_recipes_total", ""),
+        recipes + 1.0
+    );
     // The sandbox keeps running, with its state, and writes again.
     assert_eq!(
         exec(
