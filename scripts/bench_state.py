@@ -47,13 +47,14 @@ def tree_bytes(d):
 
 
 def store_bytes(data):
+    """Bytes under each top-level directory of the registry's store, and in all."""
     store = os.path.join(data, "store")
-    return {
-        "chunks": tree_bytes(os.path.join(store, "chunks")),
-        "blobs": tree_bytes(os.path.join(store, "blobs")),
-        "recipes": tree_bytes(os.path.join(store, "recipes")),
-        "all": tree_bytes(store),
-    }
+    out = {name: tree_bytes(os.path.join(store, name)) for name in os.listdir(store)
+           if os.path.isdir(os.path.join(store, name))}
+    for name in ("chunks", "blobs", "recipes", "chains", "envs"):
+        out.setdefault(name, 0)
+    out["all"] = tree_bytes(store)
+    return out
 
 
 def compressed(path, cmd):
@@ -82,7 +83,7 @@ async def snapshot_case(node, ref, data_dir, work, mib):
             "converted_s": (snap.converted_ms or 0) / 1000,
             "total_s": total_s,
             "layer_bytes": snap.layer_bytes,
-            "new": {k: after[k] - before[k] for k in after},
+            "new": {k: after[k] - before.get(k, 0) for k in after},
             "zstd9": compressed(local, ["zstd", "-9", "-q"]),
             "image": snap.image,
         }

@@ -104,11 +104,12 @@ fn object_reader(
 /// Stores one chunk, zstd-compressed, unless the store has it. The index answers for
 /// chunks this replica has seen; for others one existence check (a HEAD on S3) decides,
 /// so a chunk that exists costs no write and a new one two requests.
-fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io::Result<()> {
+/// Returns the compressed bytes written (0 for a chunk the store had).
+fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io::Result<u64> {
     let name = id.to_string();
     if reg.index.chunk(&name).map_err(io::Error::other)?.is_some() {
         metrics::counter!(CHUNKS_EXISTING).increment(1);
-        return Ok(());
+        return Ok(0);
     }
     let key = ObjectKey::chunk(&id);
     if let Some(size) = handle
@@ -117,7 +118,7 @@ fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io:
     {
         reg.index.put_chunk(&name, size).map_err(io::Error::other)?;
         metrics::counter!(CHUNKS_EXISTING).increment(1);
-        return Ok(());
+        return Ok(0);
     }
     let compressed = compress_chunk(data)?;
     let size = compressed.len() as u64;
@@ -127,7 +128,7 @@ fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io:
     reg.index.put_chunk(&name, size).map_err(io::Error::other)?;
     metrics::counter!(CHUNKS_WRITTEN).increment(1);
     metrics::counter!(CHUNK_BYTES_WRITTEN).increment(size);
-    Ok(())
+    Ok(size)
 }
 
 /// `data` as one zstd frame at [`CHUNK_ZSTD_LEVEL`], with a compression context kept per
@@ -171,6 +172,11 @@ impl ChunkSource for StoreChunks {
 /// The most layer-chain states one conversion keeps (each is a copy of the tree while
 /// the conversion runs).
 const MAX_KEPT_CHAINS: usize = 16;
+/// The state of an image's whole chain is kept when it costs at most 1/this of the chunk
+/// bytes the conversion stored: a big image (a base that sandboxes are snapshotted
+/// from) keeps it, so its first snapshot converts only its own layer, while a task
+/// image of a few new MiB over a shared base keeps none.
+const WHOLE_CHAIN_STATE_SHARE: u64 = 50;
 
 /// What `.env` memo objects hold: the env of exactly one chain of layers.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -329,7 +335,7 @@ fn convert_and_keep(
         0 => None,
         n => longest_kept_chain(reg, handle, &keys[..n - 1])?,
     };
-    let (out, read) = match start {
+    let ((out, new_bytes), read) = match start {
         Some(state) => {
             let reused = state.layers as usize;
             match convert_layers(reg, handle, layers, keys, Some(state)) {
@@ -372,10 +378,12 @@ fn convert_and_keep(
     // Kept for later images, now that every chunk they name is stored.
     for state in &out.chains {
         let key = &keys[state.layers as usize - 1];
-        handle.block_on(
-            reg.store
-                .put(&ObjectKey::chain(key), Bytes::from(state.encode())),
-        )?;
+        let encoded = state.encode();
+        let whole = state.layers as usize == keys.len();
+        if whole && encoded.len() as u64 * WHOLE_CHAIN_STATE_SHARE > new_bytes {
+            continue;
+        }
+        handle.block_on(reg.store.put(&ObjectKey::chain(key), Bytes::from(encoded)))?;
     }
     if let Some(key) = keys.last() {
         let memo = serde_json::to_vec(&ChainEnv {
@@ -449,14 +457,14 @@ fn keep_as_recipe(
 
 /// Runs the converter over the layers above `start` (all of them without one), keeping
 /// the states of the chains above it that no conversion kept yet; every chunk is stored
-/// when this returns.
+/// when this returns. Also returns the compressed bytes of the chunks it wrote.
 fn convert_layers(
     reg: &Arc<Registry>,
     handle: &Handle,
     layers: &[Layer],
     keys: &[ChainKey],
     start: Option<ChainState>,
-) -> anyhow::Result<amber_converter::Converted> {
+) -> anyhow::Result<(amber_converter::Converted, u64)> {
     let first = start.as_ref().map_or(0, |s| s.layers as usize);
     metrics::counter!(CONVERT_LAYERS_READ).increment((layers.len() - first) as u64);
     let mut inputs = Vec::new();
@@ -476,19 +484,25 @@ fn convert_layers(
     // (a shared base), and a chain seen for the first time is only marked. The whole
     // image's chain gets no marker: its `.env` memo, written when the conversion ends,
     // marks it (an image built FROM this one has it), so an image costs one file here.
+    // Its state is computed, and stored only if it is cheap beside what the conversion
+    // stored (`WHOLE_CHAIN_STATE_SHARE`).
     let mut keep = Vec::new();
     for (k, key) in keys.iter().enumerate().skip(first) {
         let whole = k + 1 == keys.len();
+        if whole {
+            keep.push(k as u32 + 1);
+            continue;
+        }
         let marker = ObjectKey::chain_seen(key);
         let seen = handle.block_on(reg.store.stat(&marker))?.is_some()
             || handle
                 .block_on(reg.store.stat(&ObjectKey::chain_env(key)))?
                 .is_some();
         if seen {
-            if keep.len() < MAX_KEPT_CHAINS && !whole {
+            if keep.len() < MAX_KEPT_CHAINS {
                 keep.push(k as u32 + 1);
             }
-        } else if !whole {
+        } else {
             handle.block_on(reg.store.put(&marker, Bytes::new()))?;
         }
     }
@@ -499,9 +513,15 @@ fn convert_layers(
         .map(|n| n.get())
         .unwrap_or(1);
     let (sink_reg, sink_handle) = (reg.clone(), handle.clone());
+    let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let sink_written = written.clone();
     let mut sink = ParallelSink::new(
         threads,
-        Arc::new(move |id, data: &[u8]| store_chunk(&sink_reg, &sink_handle, id, data)),
+        Arc::new(move |id, data: &[u8]| {
+            let n = store_chunk(&sink_reg, &sink_handle, id, data)?;
+            sink_written.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+            Ok(())
+        }),
     );
     let limits = amber_converter::tree::Limits {
         max_entries: reg.config.max_image_entries,
@@ -527,7 +547,7 @@ fn convert_layers(
         },
     )?;
     sink.finish()?;
-    Ok(out)
+    Ok((out, written.load(std::sync::atomic::Ordering::Relaxed)))
 }
 
 /// Stores the envelope as a blob and an artifact manifest whose subject is the image.

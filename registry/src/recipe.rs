@@ -839,17 +839,43 @@ mod tests {
             .unwrap()
     }
 
-    #[tokio::test(flavor = "multi_thread")]
-    async fn a_layer_rebuilt_from_its_recipe_is_the_blob_byte_for_byte() {
+    /// `layer()`, converted into a fresh store, and its planned recipe.
+    struct Case {
+        layer: Vec<u8>,
+        digest: Digest,
+        dir: tempfile::TempDir,
+        store: Arc<dyn ObjectStore>,
+        planned: Planned,
+    }
+
+    async fn planned() -> Case {
         let layer = layer();
         let digest = Digest::of(Algorithm::Sha256, &layer);
-        let (_dir, store, packed) = converted(&layer).await;
+        let (dir, store, packed) = converted(&layer).await;
         let packed = PackedFiles::new(&packed);
         let planned = tokio::task::block_in_place(|| {
             plan(&digest, &layer[..], &packed, &mut has_chunk_in(&store))
         })
         .unwrap()
         .expect("chunks hold most of the layer");
+        Case {
+            layer,
+            digest,
+            dir,
+            store,
+            planned,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_layer_rebuilt_from_its_recipe_is_the_blob_byte_for_byte() {
+        let Case {
+            layer,
+            digest,
+            store,
+            planned,
+            ..
+        } = planned().await;
         // Every file's bytes come from chunks or zeros: only headers, padding and the
         // end of the archive are literal.
         let literal = layer.len() as u64 - planned.recipe.shared_bytes();
@@ -927,15 +953,13 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread")]
     async fn a_damaged_chunk_or_recipe_is_an_error_never_wrong_bytes() {
-        let layer = layer();
-        let digest = Digest::of(Algorithm::Sha256, &layer);
-        let (dir, store, packed) = converted(&layer).await;
-        let packed = PackedFiles::new(&packed);
-        let planned = tokio::task::block_in_place(|| {
-            plan(&digest, &layer[..], &packed, &mut has_chunk_in(&store))
-        })
-        .unwrap()
-        .unwrap();
+        let Case {
+            layer,
+            digest,
+            dir,
+            store,
+            planned,
+        } = planned().await;
         store
             .put(&ObjectKey::recipe(&digest), planned.object.clone())
             .await

@@ -259,6 +259,33 @@ async fn an_uncompressed_layer_is_kept_as_a_recipe_on(storage: Storage) {
     }
 }
 
+/// An image whose conversion stored far more chunk bytes than its tree's state takes
+/// (a big base) keeps the state of its whole chain, so an image built FROM it, such as a
+/// sandbox's snapshot, reads only its own layer; a small task image keeps none (above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_built_from_a_big_image_reads_only_its_own_layer() {
+    let s = Server::start_on(Storage::Fs, &[]);
+    let base = layers();
+    let blobs =
+        |tars: &[Vec<u8>]| -> Vec<LayerBlob> { tars.iter().map(|t| (gzip(t), TGZ)).collect() };
+    push_image(&s, "conv/from", "base", &blobs(&base)).await;
+    assert_eq!(settled(&s, "conv/from", "base").await["state"], "done");
+    let mut child = base.clone();
+    child.push(files_tar(&[(
+        "home/user/notes.txt",
+        &b"written in a sandbox"[..],
+    )]));
+    push_image(&s, "conv/from", "child", &blobs(&child)).await;
+    let v = settled(&s, "conv/from", "child").await;
+    assert_eq!(v["state"], "done", "{v}");
+    let (local_env, _) = local_conversion(&child);
+    assert_eq!(v["env_digest"], local_env);
+    let metrics = metrics_text(&s).await;
+    // base: 2 layers read; child: its own layer only, the base's 2 reused.
+    assert_eq!(metric(&metrics, "amber_conversion_layers_read_total"), 3);
+    assert_eq!(metric(&metrics, "amber_conversion_layers_reused_total"), 2);
+}
+
 /// A base, an environment layer and two task layers that overwrite, delete (whiteouts),
 /// hide (an opaque directory) and hard-link what the layers below them hold.
 fn shared_base_layers() -> (Vec<Vec<u8>>, Vec<u8>, Vec<u8>, Vec<u8>) {

@@ -46,11 +46,16 @@ pub struct ObjectKey(String);
 impl ObjectKey {
     /// The key of the content-addressed blob (layer, config or manifest) with `digest`.
     pub fn blob(digest: &Digest) -> ObjectKey {
+        ObjectKey::by_digest("blobs", digest)
+    }
+
+    /// `top/<algorithm>/<2 hex>/<hex>`.
+    fn by_digest(top: &str, digest: &Digest) -> ObjectKey {
+        let hex = digest.hex();
         ObjectKey(format!(
-            "blobs/{}/{}/{}",
+            "{top}/{}/{}/{hex}",
             digest.algorithm().name(),
-            &digest.hex()[..2],
-            digest.hex()
+            &hex[..2]
         ))
     }
 
@@ -69,12 +74,7 @@ impl ObjectKey {
     /// The key of a layer blob's recipe (`crate::recipe`): how to rebuild the blob
     /// with `digest` from chunks, kept instead of the blob itself.
     pub fn recipe(digest: &Digest) -> ObjectKey {
-        ObjectKey(format!(
-            "recipes/{}/{}/{}",
-            digest.algorithm().name(),
-            &digest.hex()[..2],
-            digest.hex()
-        ))
+        ObjectKey::by_digest("recipes", digest)
     }
 
     /// The key of a kept layer-chain state (`amber_converter::chain`), named by its
