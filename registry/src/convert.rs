@@ -106,20 +106,11 @@ fn object_reader(
 /// so a chunk that exists costs no write and a new one two requests.
 /// Returns the compressed bytes written (0 for a chunk the store had).
 fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io::Result<u64> {
-    let name = id.to_string();
-    if reg.index.chunk(&name).map_err(io::Error::other)?.is_some() {
+    if chunk_stored(reg, handle, &id)? {
         metrics::counter!(CHUNKS_EXISTING).increment(1);
         return Ok(0);
     }
-    let key = ObjectKey::chunk(&id);
-    if let Some(size) = handle
-        .block_on(reg.store.stat(&key))
-        .map_err(io::Error::other)?
-    {
-        reg.index.put_chunk(&name, size).map_err(io::Error::other)?;
-        metrics::counter!(CHUNKS_EXISTING).increment(1);
-        return Ok(0);
-    }
+    let (name, key) = (id.to_string(), ObjectKey::chunk(&id));
     let compressed = compress_chunk(data)?;
     let size = compressed.len() as u64;
     handle
@@ -129,6 +120,25 @@ fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io:
     metrics::counter!(CHUNKS_WRITTEN).increment(1);
     metrics::counter!(CHUNK_BYTES_WRITTEN).increment(size);
     Ok(size)
+}
+
+/// Whether the store has chunk `id`: the index answers for chunks this replica has seen
+/// (one it finds in the store is added to the index).
+fn chunk_stored(reg: &Registry, handle: &Handle, id: &ChunkId) -> io::Result<bool> {
+    let name = id.to_string();
+    if reg.index.chunk(&name).map_err(io::Error::other)?.is_some() {
+        return Ok(true);
+    }
+    match handle
+        .block_on(reg.store.stat(&ObjectKey::chunk(id)))
+        .map_err(io::Error::other)?
+    {
+        Some(size) => {
+            reg.index.put_chunk(&name, size).map_err(io::Error::other)?;
+            Ok(true)
+        }
+        None => Ok(false),
+    }
 }
 
 /// `data` as one zstd frame at [`CHUNK_ZSTD_LEVEL`], with a compression context kept per
@@ -419,20 +429,7 @@ fn keep_as_recipe(
             return Ok(None); // a recipe already, or another replica's doing
         }
         let reader = object_reader(&reg.store, handle, blob.clone(), layer.size)?;
-        let mut has_chunk = |id: &ChunkId| -> io::Result<bool> {
-            if reg
-                .index
-                .chunk(&id.to_string())
-                .map_err(io::Error::other)?
-                .is_some()
-            {
-                return Ok(true);
-            }
-            Ok(handle
-                .block_on(reg.store.stat(&ObjectKey::chunk(id)))
-                .map_err(io::Error::other)?
-                .is_some())
-        };
+        let mut has_chunk = |id: &ChunkId| chunk_stored(reg, handle, id);
         let Some(planned) = crate::recipe::plan(d, reader, packed, &mut has_chunk)? else {
             return Ok(None);
         };

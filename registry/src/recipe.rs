@@ -111,6 +111,19 @@ pub enum RecipeError {
     Store(#[from] StoreError),
 }
 
+impl RecipeError {
+    /// As an error reading the object `key` (a damaged recipe is bad data there).
+    fn for_store(self, key: &ObjectKey) -> StoreError {
+        match self {
+            RecipeError::Store(e) => e,
+            e => StoreError::io(
+                key.as_str(),
+                io::Error::new(io::ErrorKind::InvalidData, e.to_string()),
+            ),
+        }
+    }
+}
+
 /// A decoded recipe: how to rebuild blob `blob` of `size` bytes.
 #[derive(Clone)]
 pub struct Recipe {
@@ -271,11 +284,7 @@ pub async fn read_object(
                     Ok(rebuild(store.clone(), Arc::new(recipe), literals, range))
                 }
                 Ok(None) => Err(StoreError::NotFound(what)),
-                Err(RecipeError::Store(e)) => Err(e),
-                Err(e) => Err(StoreError::io(
-                    key.as_str(),
-                    io::Error::new(io::ErrorKind::InvalidData, e.to_string()),
-                )),
+                Err(e) => Err(e.for_store(key)),
             }
         }
         other => other,
@@ -295,11 +304,7 @@ pub async fn stored_size(
     };
     match Recipe::load(store, &blob).await {
         Ok(r) => Ok(r.map(|r| r.size)),
-        Err(RecipeError::Store(e)) => Err(e),
-        Err(e) => Err(StoreError::io(
-            key.as_str(),
-            io::Error::new(io::ErrorKind::InvalidData, e.to_string()),
-        )),
+        Err(e) => Err(e.for_store(key)),
     }
 }
 
@@ -874,7 +879,7 @@ mod tests {
             digest,
             store,
             planned,
-            ..
+            dir: _dir, // kept: the store lives in it
         } = planned().await;
         // Every file's bytes come from chunks or zeros: only headers, padding and the
         // end of the archive are literal.
