@@ -248,7 +248,9 @@ pub struct SnapshotInfo {
     pub image_digest: String,
     /// Its env (set once converted: always when `wait` was asked).
     pub env_digest: Option<String>,
-    /// The new layer: its digest, compressed size, and the size of the tar inside.
+    /// The new layer: its digest and size, and the size of the tar inside (the same:
+    /// snapshot layers are uncompressed tars, which the registry keeps as recipes over
+    /// the chunks they convert into).
     pub layer_digest: String,
     pub layer_bytes: u64,
     pub diff_bytes: u64,
