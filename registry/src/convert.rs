@@ -402,14 +402,20 @@ fn convert_and_keep(
         handle.block_on(reg.store.put(&ObjectKey::chain_env(key), Bytes::from(memo)))?;
     }
     // The uncompressed layers this conversion read are now mostly chunks.
-    let packed = crate::recipe::PackedFiles::new(&out.packed);
-    for layer in read.iter().filter(|l| l.uncompressed) {
-        keep_as_recipe(reg, handle, layer, &packed);
+    let mut recipes = read
+        .iter()
+        .filter(|l| l.uncompressed && l.size >= crate::recipe::MIN_BLOB)
+        .peekable();
+    if recipes.peek().is_some() {
+        let packed = crate::recipe::PackedFiles::new(&out.packed);
+        for layer in recipes {
+            keep_as_recipe(reg, handle, layer, &packed);
+        }
     }
     Ok((env.to_string(), envelope_bytes))
 }
 
-/// Replaces an uncompressed layer blob by its recipe when chunks hold most of it
+/// Replaces an uncompressed layer blob (at least `recipe::MIN_BLOB` bytes) by its recipe when chunks hold most of it
 /// (`crate::recipe`). Never fails the conversion: a layer that cannot be kept as a
 /// recipe stays as it is.
 fn keep_as_recipe(
@@ -418,9 +424,6 @@ fn keep_as_recipe(
     layer: &Layer,
     packed: &crate::recipe::PackedFiles,
 ) {
-    if layer.size < crate::recipe::MIN_BLOB {
-        return;
-    }
     let d = &layer.digest;
     let started = std::time::Instant::now();
     let made = (|| -> anyhow::Result<Option<u64>> {

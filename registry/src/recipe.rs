@@ -85,7 +85,7 @@ impl Piece {
 
 /// One zstd frame of the literal stream: literal bytes `at..at + len`, stored at
 /// `stored` (from the start of the frame region), `stored_len` bytes.
-#[derive(Clone, Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 struct Frame {
     at: u64,
     len: u32,
@@ -125,7 +125,6 @@ impl RecipeError {
 }
 
 /// A decoded recipe: how to rebuild blob `blob` of `size` bytes.
-#[derive(Clone)]
 pub struct Recipe {
     pub blob: Digest,
     pub size: u64,
@@ -208,18 +207,27 @@ impl Recipe {
     ) -> Result<Option<Recipe>, RecipeError> {
         let key = ObjectKey::recipe(blob);
         let damaged = |why: String| RecipeError::Damaged(blob.to_string(), why);
-        let Some(stored) = store.stat(&key).await? else {
+        // No stat first: the header read answers whether there is a recipe.
+        let read = |range: Range<u64>, what: &'static str| {
+            let key = &key;
+            async move {
+                match store.read(key, range).await {
+                    Ok(s) => Ok(Some(collect(s).await?)),
+                    Err(StoreError::NotFound(_)) => Ok(None),
+                    Err(StoreError::BadRange { .. }) => {
+                        Err(damaged(format!("{what} runs past the object")))
+                    }
+                    Err(e) => Err(RecipeError::Store(e)),
+                }
+            }
+        };
+        let Some(head) = read(0..HEADER, "the header").await? else {
             return Ok(None);
         };
-        if stored < HEADER {
-            return Err(damaged("shorter than its header".into()));
-        }
-        let head = collect(store.read(&key, 0..HEADER).await?).await?;
         let (len, sum) = Recipe::decode_header(&head).map_err(damaged)?;
-        if HEADER + len > stored {
-            return Err(damaged("index runs past the object".into()));
-        }
-        let packed = collect(store.read(&key, HEADER..HEADER + len).await?).await?;
+        let packed = read(HEADER..HEADER + len, "the index")
+            .await?
+            .ok_or_else(|| damaged("it is gone".into()))?;
         let recipe = Recipe::decode_index(&packed, &sum, HEADER + len).map_err(damaged)?;
         if recipe.blob != *blob {
             return Err(damaged(format!("it rebuilds {}", recipe.blob)));
@@ -250,7 +258,6 @@ async fn collect(mut s: ByteStream) -> Result<Vec<u8>, StoreError> {
 }
 
 /// Where a recipe's literal frames are read from.
-#[derive(Clone)]
 enum Literals {
     /// The published recipe object.
     Store(ObjectKey),
@@ -354,6 +361,9 @@ fn rebuild(
     }))
 }
 
+/// What a zeros piece reads as (a read asks for at most `MAX_CHUNK` bytes at once).
+static ZEROS: [u8; MAX_CHUNK as usize] = [0; MAX_CHUNK as usize];
+
 /// Reads the bytes of pieces, keeping the last chunk and literal frame it decompressed
 /// (neighbouring small files share packs; literal pieces share frames).
 struct PieceReader {
@@ -372,7 +382,7 @@ impl PieceReader {
     /// Bytes `r` of `piece` (at most `MAX_CHUNK` of them).
     async fn bytes(&mut self, piece: &Piece, r: Range<u64>) -> io::Result<Bytes> {
         match piece {
-            Piece::Zeros { .. } => Ok(Bytes::from(vec![0u8; (r.end - r.start) as usize])),
+            Piece::Zeros { .. } => Ok(Bytes::from_static(&ZEROS[..(r.end - r.start) as usize])),
             Piece::Chunk { id, offset, .. } => {
                 let data = self.chunk(id).await?;
                 let (a, b) = (*offset as u64 + r.start, *offset as u64 + r.end);
@@ -571,7 +581,7 @@ impl Builder {
 pub struct Planned {
     /// The encoded recipe object.
     pub object: Bytes,
-    pub recipe: Recipe,
+    pub recipe: Arc<Recipe>,
 }
 
 /// Scans uncompressed tar layer `blob` (`layer`: its bytes) and plans its recipe over
@@ -709,7 +719,7 @@ pub fn plan(
         .map_err(|why| RecipeError::Damaged(blob.to_string(), why))?;
     Ok(Some(Planned {
         object: Bytes::from(object),
-        recipe,
+        recipe: Arc::new(recipe),
     }))
 }
 
@@ -717,7 +727,7 @@ pub fn plan(
 /// planned object) and checks it is the blob: its digest and size.
 pub async fn verify(store: Arc<dyn ObjectStore>, planned: &Planned) -> Result<(), RecipeError> {
     let literals = Literals::Memory(planned.object.clone());
-    rebuilds_its_blob(store, Arc::new(planned.recipe.clone()), literals).await
+    rebuilds_its_blob(store, planned.recipe.clone(), literals).await
 }
 
 /// Checks the published recipe of `blob` (fsck): it rebuilds exactly the blob.

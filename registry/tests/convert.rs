@@ -25,6 +25,11 @@ fn layers() -> Vec<Vec<u8>> {
 /// A layer as pushed: its bytes and media type.
 type LayerBlob = (Vec<u8>, &'static str);
 
+/// `tars` as gzip layers.
+fn gzipped(tars: &[Vec<u8>]) -> Vec<LayerBlob> {
+    tars.iter().map(|t| (gzip(t), TGZ)).collect()
+}
+
 /// Pushes an image with `blobs` as its layers; returns the manifest digest.
 async fn push_image(s: &Server, repo: &str, tag: &str, blobs: &[(Vec<u8>, &str)]) -> String {
     push_image_labelled(s, repo, tag, blobs, "").await
@@ -266,8 +271,7 @@ async fn an_uncompressed_layer_is_kept_as_a_recipe_on(storage: Storage) {
 async fn an_image_built_from_a_big_image_reads_only_its_own_layer() {
     let s = Server::start_on(Storage::Fs, &[]);
     let base = layers();
-    let blobs =
-        |tars: &[Vec<u8>]| -> Vec<LayerBlob> { tars.iter().map(|t| (gzip(t), TGZ)).collect() };
+    let blobs = gzipped;
     push_image(&s, "conv/from", "base", &blobs(&base)).await;
     assert_eq!(settled(&s, "conv/from", "base").await["state"], "done");
     let mut child = base.clone();
@@ -345,8 +349,7 @@ async fn images_on_a_converted_base_read_only_their_own_layers_on(storage: Stora
         l.push(top.clone());
         l
     };
-    let blobs =
-        |tars: &[Vec<u8>]| -> Vec<LayerBlob> { tars.iter().map(|t| (gzip(t), TGZ)).collect() };
+    let blobs = gzipped;
     // One at a time: each conversion finds what the ones before kept.
     let pushes = [
         ("a", image(&task1), ""),
