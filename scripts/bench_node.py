@@ -353,7 +353,7 @@ def node_section(res):
         "amber: sandboxes of 512 MiB and 1 vCPU through amberd's node API from the Python client",
         "(`amber_sandbox.AsyncNode` over the Unix socket); QEMU microvm under TCG (this machine's",
         "nested KVM cannot run the guest kernel). Docker: the Docker engine of scripts/lib.sh",
-        "(vfs storage, `--network none`), containers of the same image.",
+        f"({os.environ.get('DOCKER_STORAGE_DRIVER', 'vfs')} storage, `--network none`), containers of the same image.",
         "",
         f"Density: {ad['asked']} idle sandboxes created (8 at a time), then 10 s to settle and a {20} s",
         "window. Host memory per sandbox is each QEMU's PSS (amberd's own, shared by all, is left out);",

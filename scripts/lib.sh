@@ -144,23 +144,34 @@ stop_s3_servers() {
   stop_pid s3s-fs
 }
 
-# start_dockerd: a Docker engine of our own on a Unix socket in $RUN_DIR, vfs storage,
-# no networking changes on the host. Exports DOCKER_SOCK.
+# start_dockerd: a Docker engine of our own on a Unix socket in $RUN_DIR, no networking
+# changes on the host. Exports DOCKER_SOCK and DOCKER_STORAGE_DRIVER. Storage is overlay2
+# where the kernel lets this machine mount it (layers shared, not copied), else vfs,
+# which copies every layer's whole tree: a test run's images take several times the
+# disk under vfs. AMBER_DOCKER_STORAGE_DRIVER picks one.
 start_dockerd() {
-  local d="$RUN_DIR/docker"
+  local d="$RUN_DIR/docker" driver
   stop_dockerd
   mkdir -p "$d"
+  rm -rf "$d/root" # the data root of earlier checkouts, always vfs
   export DOCKER_SOCK="unix://$d/docker.sock"
-  log "starting a Docker engine on $DOCKER_SOCK"
-  dockerd --iptables=false --ip6tables=false --ip-masq=false --bridge=none \
-    --storage-driver=vfs --data-root "$d/root" --exec-root "$d/exec" \
-    --pidfile "$d/dockerd.pid" --host "$DOCKER_SOCK" >"$d/dockerd.log" 2>&1 &
-  echo $! >"$RUN_DIR/dockerd.pid"
-  for _ in $(seq 300); do
-    docker -H "$DOCKER_SOCK" version >/dev/null 2>&1 && return 0
-    pid_alive "$RUN_DIR/dockerd.pid" || break
-    sleep 0.1
+  for driver in ${AMBER_DOCKER_STORAGE_DRIVER:-overlay2 vfs}; do
+    log "starting a Docker engine on $DOCKER_SOCK ($driver storage)"
+    dockerd --iptables=false --ip6tables=false --ip-masq=false --bridge=none \
+      --storage-driver="$driver" --data-root "$d/root-$driver" --exec-root "$d/exec" \
+      --pidfile "$d/dockerd.pid" --host "$DOCKER_SOCK" >"$d/dockerd.log" 2>&1 &
+    echo $! >"$RUN_DIR/dockerd.pid"
+    for _ in $(seq 300); do
+      if docker -H "$DOCKER_SOCK" version >/dev/null 2>&1; then
+        export DOCKER_STORAGE_DRIVER=$driver
+        return 0
+      fi
+      pid_alive "$RUN_DIR/dockerd.pid" || break
+      sleep 0.1
+    done
+    tail -5 "$d/dockerd.log" >&2
+    stop_dockerd
+    cp "$d/dockerd.log" "$d/dockerd-$driver.log"
   done
-  tail -20 "$d/dockerd.log" >&2
-  die "the Docker engine did not start (log: $d/dockerd.log)"
+  die "the Docker engine did not start (logs: $d/dockerd-*.log)"
 }

@@ -5,7 +5,9 @@
 //!
 //! Invariants kept here:
 //! - a session's record is created before any of its staged data, and removed after its
-//!   staged data (published or dropped), so staged data without a record is an orphan;
+//!   staged data is dropped or just before it is published (a store may publish staged
+//!   data in place, and a session's removal removes its data); so staged data without a
+//!   record is an orphan, or bytes a crash kept from being published;
 //! - the acknowledged offset only moves forward, with compare-and-swap on the record's
 //!   version, after the staged bytes up to it are durable; staged bytes past it belong
 //!   to a request that never finished and are cut off before the next append;

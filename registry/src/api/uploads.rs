@@ -472,12 +472,17 @@ async fn complete(
     let known = reg.index.blob_size(&digest)?.is_some();
     if known && reg.store.stat(&ObjectKey::recipe(&digest)).await?.is_some() {
         reg.store.remove_staged(id).await?;
+        reg.finish_upload_session(sid).await?;
     } else {
+        // The session ends before its bytes are published: a store may publish them
+        // where they are staged (s3 links them), and an expired or cancelled session
+        // removes its staged data, so a session must never outlive their publishing.
+        // A crash in between loses this upload (the client starts it again), not a blob.
+        reg.finish_upload_session(sid).await?;
         reg.store
             .publish_staged(id, s.offset, &ObjectKey::blob(&digest))
             .await?;
     }
     reg.link_blob(name, &digest, s.offset).await?;
-    reg.finish_upload_session(sid).await?;
     Ok(created(name, &digest))
 }

@@ -318,8 +318,11 @@ pub trait ObjectStore: Send + Sync + 'static {
     async fn remove(&self, key: &ObjectKey) -> Result<(), StoreError>;
 
     /// Makes the first `len` bytes of staged object `id` visible as `key`, atomically, and
-    /// forgets `id` (with anything staged past `len`). If `key` exists already it is kept
-    /// and the staged object is dropped. An error if fewer than `len` bytes are staged.
+    /// ends `id` (anything staged past `len` is dropped). If `key` exists already it is
+    /// kept and the staged object is dropped. An error if fewer than `len` bytes are
+    /// staged. A backend may publish the bytes where they are staged (s3 links a
+    /// single-segment upload), so an ended id is never staged to or removed again: ids
+    /// are never reused, and the caller ends its session before publishing.
     async fn publish_staged(&self, id: &str, len: u64, key: &ObjectKey) -> Result<(), StoreError>;
 
     /// Removes staged object `id`; removing a missing one is not an error.

@@ -1,17 +1,35 @@
 //! The `s3` backend (AWS S3 or any S3-compatible store), with `aws-sdk-s3`.
 //!
 //! Layout in the bucket, under an optional prefix: published objects at their
-//! [`ObjectKey`]; a staged object `id` as segments `_staging/<id>/<offset:020>`, one per
-//! append, each made visible whole (a single PUT, or a multipart upload completed at the
-//! end), so a crash never leaves a partial segment and the staged length is always the sum
-//! of whole appends.
+//! [`ObjectKey`]; a staged object `id` as segments, one per append, each made visible
+//! whole (a single PUT, or a multipart upload completed at the end), so a crash never
+//! leaves a partial segment and the staged length is always the sum of whole appends.
+//! The first segment is `data/<id>`, every later one `_staging/<id>/<offset:020>`.
+//!
+//! S3 has no rename, so publishing a staged object would cost a server-side copy of all
+//! its bytes. Most blobs are pushed in one PATCH (docker, skopeo, containerd), so their
+//! staged object is `data/<id>` alone: that one is published as a *link*, an empty
+//! object at the blob's key whose metadata names `data/<id>` and its size, and its bytes
+//! are never copied. A blob staged in several segments is copied as before.
 //!
 //! Invariants kept here:
 //! - published objects are created once: every write to a published key carries
 //!   `If-None-Match: *`; a 412 means the content-addressed object is already there;
-//! - publishing copies the segments server-side to the final key (one `CopyObject` for a
-//!   single segment, else `UploadPartCopy` parts of a multipart upload), with
-//!   `If-None-Match: *`: the final key is either absent or complete;
+//! - publishing links the one `data/<id>` segment, or copies the segments server-side to
+//!   the final key (one `CopyObject` for a single segment, else `UploadPartCopy` parts of
+//!   a multipart upload), with `If-None-Match: *`: the final key is either absent, or
+//!   complete, or a link to a complete data object;
+//! - a linked `data/<id>` is removed only with its link (`remove`), never as staged
+//!   data: the session it was staged for ends before the link is written
+//!   (`crate::uploads`), and publishing never removes the data a link at its key names;
+//! - only blob keys (`blobs/…`) can be links; what a blob key holds is cached (links and
+//!   published objects never change, and a removed one reads as missing), so a link
+//!   costs one HEAD per process, not per read;
+//! - data (a part, or an object of one PUT) goes with an unsigned payload: the request is
+//!   still signed and carries a CRC32 of its body that the server checks, but the body is
+//!   not hashed with SHA-256 twice more (by the SDK to sign it, by the server to check
+//!   the signature). Every byte is checked end to end anyway: a blob against its
+//!   digest, a chunk against its blake3 id;
 //! - memory per upload is bounded by a few part buffers (`PARALLEL_PARTS` + 1 of
 //!   `PART_BYTES`), whatever the blob size;
 //! - every call has timeouts and retries with backoff and jitter (the SDK's standard
@@ -43,6 +61,17 @@ const PARALLEL_PARTS: usize = 3;
 const MIN_PART: u64 = 5 << 20;
 /// The largest source range one `UploadPartCopy` may copy.
 const MAX_COPY_PART: u64 = 5 << 30;
+/// The published objects that may be links: blobs, the only ones pushed through upload
+/// sessions.
+const LINKABLE: &str = "blobs/";
+/// Where a session's first segment is staged, and stays when it is linked.
+const DATA: &str = "data/";
+/// User metadata of a link: the key (below the bucket prefix) of the data it names...
+const LINK_META: &str = "amber-link";
+/// ...and the size of that data.
+const SIZE_META: &str = "amber-size";
+/// Blob keys whose resolution is cached.
+const RESOLVED_CACHE: usize = 65_536;
 
 /// Where the bucket is and how to reach it.
 #[derive(Clone, Debug, Default)]
@@ -63,6 +92,18 @@ pub struct S3Store {
     client: aws_sdk_s3::Client,
     bucket: String,
     prefix: String,
+    /// What blob keys hold (see [`Resolved`]), by full key.
+    resolved: std::sync::Mutex<lru::LruCache<String, Resolved>>,
+}
+
+/// Where the bytes of a published object are: the object itself, or the data object a
+/// link names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Resolved {
+    /// The full key holding the bytes.
+    data: String,
+    size: u64,
+    link: bool,
 }
 
 fn status<E, R: HttpStatus>(e: &SdkError<E, R>) -> Option<u16> {
@@ -185,6 +226,9 @@ impl S3Store {
             client: aws_sdk_s3::Client::from_conf(conf),
             bucket: s.bucket.clone(),
             prefix: s.prefix.clone(),
+            resolved: std::sync::Mutex::new(lru::LruCache::new(
+                std::num::NonZeroUsize::new(RESOLVED_CACHE).expect("cache size"),
+            )),
         };
         store
             .client
@@ -210,6 +254,102 @@ impl S3Store {
         Ok(format!("{}_staging/{id}/", self.prefix))
     }
 
+    /// The full key of staged object `id`'s first segment (`data/<id>`).
+    fn data_key(&self, id: &str) -> Result<String, StoreError> {
+        self.staged_prefix(id)?;
+        Ok(format!("{}{DATA}{id}", self.prefix))
+    }
+
+    /// HEAD of a full key: where its bytes are, following a link; `None` if it does not
+    /// exist.
+    async fn head(&self, key: &str) -> Result<Option<Resolved>, StoreError> {
+        let r = match self
+            .client
+            .head_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+        {
+            Ok(r) => r,
+            Err(e) if status(&e) == Some(404) => return Ok(None),
+            Err(e) => return Err(io_err(format!("stat of {key}"), e)),
+        };
+        let meta = r.metadata();
+        let link = meta.and_then(|m| m.get(LINK_META));
+        let size = meta.and_then(|m| m.get(SIZE_META));
+        Ok(Some(match (link, size) {
+            (Some(link), Some(size)) => Resolved {
+                data: format!("{}{link}", self.prefix),
+                size: size.parse().map_err(|_| {
+                    StoreError::io(
+                        format!("link {key}"),
+                        io::Error::other(format!("{SIZE_META} {size:?} is not a size")),
+                    )
+                })?,
+                link: true,
+            },
+            _ => Resolved {
+                data: key.to_string(),
+                size: r.content_length().unwrap_or(0) as u64,
+                link: false,
+            },
+        }))
+    }
+
+    /// Where the bytes of published `key` are: for a blob key from the cache or one HEAD,
+    /// for any other key the key itself (`size` then unknown: `None` is returned only
+    /// for a blob key).
+    async fn resolve(&self, key: &ObjectKey) -> Result<Option<Resolved>, StoreError> {
+        let k = self.key(key);
+        if !key.as_str().starts_with(LINKABLE) {
+            return Ok(Some(Resolved {
+                data: k,
+                size: u64::MAX,
+                link: false,
+            }));
+        }
+        if let Some(r) = self.cached(&k) {
+            return Ok(Some(r));
+        }
+        let r = self.head(&k).await?;
+        if let Some(r) = &r {
+            self.resolved_lock().put(k, r.clone());
+        }
+        Ok(r)
+    }
+
+    fn cached(&self, key: &str) -> Option<Resolved> {
+        self.resolved_lock().get(key).cloned()
+    }
+
+    fn resolved_lock(&self) -> std::sync::MutexGuard<'_, lru::LruCache<String, Resolved>> {
+        // The cache holds no invariant a panicking holder could break.
+        self.resolved.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Publishes `key` (full) as a link to `data` (full) of `size` bytes, create-once.
+    /// Returns false when the key existed already (the write was refused).
+    async fn write_link(&self, key: &str, data: &str, size: u64) -> Result<bool, StoreError> {
+        let rel = &data[self.prefix.len()..];
+        match self
+            .client
+            .put_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .metadata(LINK_META, rel)
+            .metadata(SIZE_META, size.to_string())
+            .body(SdkStream::from(Bytes::new()))
+            .if_none_match("*")
+            .send()
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(e) if matches!(status(&e), Some(412) | Some(409)) => Ok(false),
+            Err(e) => Err(io_err(format!("linking {key} to {rel}"), e)),
+        }
+    }
+
     /// Every object under `prefix` as (key, size), in key order.
     async fn list_keys(&self, prefix: &str) -> Result<Vec<(String, u64)>, StoreError> {
         let mut out = Vec::new();
@@ -232,14 +372,26 @@ impl S3Store {
         Ok(out)
     }
 
-    /// The segments of staged object `id`, in order; empty when it does not exist.
+    /// The segments of staged object `id`, in order; empty when it does not exist. (A
+    /// first segment under `_staging/` is one a registry before `data/` staged.)
     async fn segments(&self, id: &str) -> Result<Vec<Segment>, StoreError> {
         let prefix = self.staged_prefix(id)?;
+        let data = self.data_key(id)?;
         let mut segs = Vec::new();
+        if let Some(head) = self.head(&data).await? {
+            segs.push(Segment {
+                start: 0,
+                key: data,
+                size: head.size,
+            });
+        }
         for (key, size) in self.list_keys(&prefix).await? {
             let Some(start) = key[prefix.len()..].parse::<u64>().ok() else {
                 continue;
             };
+            if start == 0 && !segs.is_empty() {
+                continue;
+            }
             segs.push(Segment { start, key, size });
         }
         segs.sort_by_key(|s| s.start);
@@ -350,7 +502,7 @@ impl S3Store {
                 if create_once {
                     req = req.if_none_match("*");
                 }
-                return match req.send().await {
+                return match req.customize().disable_payload_signing().send().await {
                     Ok(_) => Ok(total),
                     Err(e) if create_once && status(&e) == Some(412) => Ok(total),
                     Err(e) => Err(io_err(format!("writing {key}"), e)),
@@ -409,6 +561,8 @@ impl S3Store {
         let key = key.to_string();
         async move {
             let r = req
+                .customize()
+                .disable_payload_signing()
                 .send()
                 .await
                 .map_err(|e| io_err(format!("uploading part {number} of {key}"), e))?;
@@ -535,21 +689,36 @@ fn sdk_stream(body: SdkStream, what: String) -> ByteStream {
 impl ObjectStore for S3Store {
     async fn stat(&self, key: &ObjectKey) -> Result<Option<u64>, StoreError> {
         let k = self.key(key);
-        match self
-            .client
-            .head_object()
-            .bucket(&self.bucket)
-            .key(&k)
-            .send()
-            .await
-        {
-            Ok(r) => Ok(Some(r.content_length().unwrap_or(0) as u64)),
-            Err(e) if status(&e) == Some(404) => Ok(None),
-            Err(e) => Err(io_err(format!("stat of {k}"), e)),
+        if key.as_str().starts_with(LINKABLE) {
+            if let Some(r) = self.cached(&k) {
+                return Ok(Some(r.size));
+            }
         }
+        let r = self.head(&k).await?;
+        if let (Some(r), true) = (&r, key.as_str().starts_with(LINKABLE)) {
+            self.resolved_lock().put(k, r.clone());
+        }
+        Ok(r.map(|r| r.size))
     }
 
     async fn read(&self, key: &ObjectKey, range: Range<u64>) -> Result<ByteStream, StoreError> {
+        if key.as_str().starts_with(LINKABLE) {
+            let Some(r) = self.resolve(key).await? else {
+                return Err(StoreError::NotFound(key.as_str().into()));
+            };
+            if range.start > range.end || range.end > r.size {
+                return Err(StoreError::BadRange {
+                    key: key.as_str().into(),
+                    start: range.start,
+                    end: range.end,
+                    size: r.size,
+                });
+            }
+            if range.start == range.end {
+                return Ok(Box::pin(futures_util::stream::empty()));
+            }
+            return self.get_range(&r.data, range).await;
+        }
         if range.start == range.end {
             return match self.stat(key).await? {
                 Some(size) if range.end <= size => Ok(Box::pin(futures_util::stream::empty())),
@@ -566,7 +735,9 @@ impl ObjectStore for S3Store {
     }
 
     async fn read_all(&self, key: &ObjectKey) -> Result<Bytes, StoreError> {
-        let k = self.key(key);
+        let Some(Resolved { data: k, .. }) = self.resolve(key).await? else {
+            return Err(StoreError::NotFound(key.as_str().into()));
+        };
         let r = self
             .client
             .get_object()
@@ -619,7 +790,11 @@ impl ObjectStore for S3Store {
         // one can be: the caller's acknowledged offset only moves once a segment is
         // whole). Reads and publishes take the segments below their length, which must
         // tile it exactly.
-        let key = format!("{prefix}{offset:020}");
+        let key = if offset == 0 {
+            self.data_key(id)?
+        } else {
+            format!("{prefix}{offset:020}")
+        };
         let written = self.write_streamed(&key, body, observe, false).await?;
         Ok(offset + written)
     }
@@ -632,6 +807,7 @@ impl ObjectStore for S3Store {
     async fn truncate_staged(&self, id: &str, len: u64) -> Result<(), StoreError> {
         let prefix = self.staged_prefix(id)?;
         self.abort_dangling(&prefix).await;
+        self.abort_dangling(&self.data_key(id)?).await;
         for s in self.segments(id).await? {
             if s.start >= len && !(s.start == 0 && len == 0) {
                 self.delete(&s.key).await?;
@@ -675,7 +851,15 @@ impl ObjectStore for S3Store {
     async fn publish_staged(&self, id: &str, len: u64, key: &ObjectKey) -> Result<(), StoreError> {
         let (segs, all) = self.segments_below(id, len).await?;
         let k = self.key(key);
-        if self.stat(key).await?.is_none() {
+        let data = self.data_key(id)?;
+        if key.as_str().starts_with(LINKABLE) {
+            if let [only] = segs.as_slice() {
+                if only.key == data && only.size == len && len > 0 {
+                    return self.publish_link(&k, &data, len, &all).await;
+                }
+            }
+        }
+        if self.head(&k).await?.is_none() {
             let segs: Vec<Segment> = segs.into_iter().filter(|s| s.size > 0).collect();
             let copyable = segs
                 .iter()
@@ -719,16 +903,33 @@ impl ObjectStore for S3Store {
     }
 
     async fn remove(&self, key: &ObjectKey) -> Result<(), StoreError> {
-        self.delete(&self.key(key)).await
+        let k = self.key(key);
+        let held = if key.as_str().starts_with(LINKABLE) {
+            self.head(&k).await?
+        } else {
+            None
+        };
+        // The link first: a link is never left naming data that is gone.
+        self.delete(&k).await?;
+        self.resolved_lock().pop(&k);
+        if let Some(Resolved {
+            data, link: true, ..
+        }) = held
+        {
+            self.delete(&data).await?;
+        }
+        Ok(())
     }
 
     async fn remove_staged(&self, id: &str) -> Result<(), StoreError> {
         let prefix = self.staged_prefix(id)?;
+        let data = self.data_key(id)?;
         self.abort_dangling(&prefix).await;
+        self.abort_dangling(&data).await;
         for (key, _) in self.list_keys(&prefix).await? {
             self.delete(&key).await?;
         }
-        Ok(())
+        self.delete(&data).await
     }
 
     async fn list_staged(&self) -> Result<Vec<String>, StoreError> {
@@ -762,7 +963,10 @@ impl ObjectStore for S3Store {
         key: &ObjectKey,
         ttl: Duration,
     ) -> Result<Option<String>, StoreError> {
-        let k = self.key(key);
+        let k = match self.resolve(key).await? {
+            Some(r) => r.data,
+            None => self.key(key),
+        };
         let cfg = aws_sdk_s3::presigning::PresigningConfig::expires_in(ttl)
             .map_err(|e| StoreError::io(format!("presigning {k}"), io::Error::other(e)))?;
         let req = self
@@ -880,6 +1084,39 @@ impl ObjectStore for S3Store {
 }
 
 impl S3Store {
+    /// Publishes staged object `id`, held whole by its first segment `data`, as a link
+    /// at `key`; then removes its other segments (`all`: left past the length by a
+    /// request that never finished).
+    async fn publish_link(
+        &self,
+        key: &str,
+        data: &str,
+        len: u64,
+        all: &[Segment],
+    ) -> Result<(), StoreError> {
+        let linked = match self.head(key).await? {
+            // A retried publish of this session: the link is there already.
+            Some(r) => r.data == data,
+            None if self.write_link(key, data, len).await? => true,
+            // Another upload of the same blob linked first.
+            None => match self.head(key).await? {
+                Some(r) => r.data == data,
+                None => {
+                    return Err(StoreError::io(
+                        format!("linking {key}"),
+                        io::Error::other(
+                            "the store refused the link as existing, yet it is not there",
+                        ),
+                    ))
+                }
+            },
+        };
+        for seg in all.iter().filter(|s| s.key != data || !linked) {
+            self.delete(&seg.key).await?;
+        }
+        Ok(())
+    }
+
     /// Copies the whole object `src` server-side to the published key `key`, create-once
     /// (a 412 means the content-addressed object is there already).
     async fn copy_whole(&self, key: &str, src: &str) -> Result<(), StoreError> {
@@ -1006,7 +1243,7 @@ mod tests {
         assert_eq!(got, all[PART_BYTES - 10..PART_BYTES + 10]);
         assert_eq!(store.staged_len(id).await.unwrap(), None);
 
-        // One segment of more than a part (one streamed PATCH): one server-side copy.
+        // One segment of more than a part (one streamed PATCH): linked, not copied.
         let single = "00000000-0000-0000-0000-00000000b1c2";
         let mut whole = all.clone();
         whole.reverse();
@@ -1022,18 +1259,73 @@ mod tests {
             .publish_staged(single, whole.len() as u64, &key)
             .await
             .unwrap();
+        let data = store.data_key(single).unwrap();
+        let held = Resolved {
+            data: data.clone(),
+            size: whole.len() as u64,
+            link: true,
+        };
+        assert_eq!(
+            store.head(&store.key(&key)).await.unwrap(),
+            Some(held.clone())
+        );
+        // Read through a cold cache (another process) and a warm one.
+        store.resolved_lock().clear();
         assert!(store.read_all(&key).await.unwrap() == whole);
-        assert_eq!(store.staged_len(single).await.unwrap(), None);
-        // Publishing the same content again keeps the object (create-once).
+        assert_eq!(store.stat(&key).await.unwrap(), Some(whole.len() as u64));
+        let tail: Vec<u8> = store
+            .read(&key, whole.len() as u64 - 5..whole.len() as u64)
+            .await
+            .unwrap()
+            .map(|b| b.unwrap().to_vec())
+            .collect::<Vec<_>>()
+            .await
+            .concat();
+        assert_eq!(tail, whole[whole.len() - 5..]);
+        assert!(matches!(
+            store
+                .read(&key, 0..whole.len() as u64 + 1)
+                .await
+                .map(|_| ()),
+            Err(StoreError::BadRange { .. })
+        ));
+        let url = store
+            .presign_get(&key, Duration::from_secs(60))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(url.contains(&format!("{DATA}{single}")), "{url}");
+        assert!(!store
+            .list_staged()
+            .await
+            .unwrap()
+            .contains(&single.to_string()));
+        // The same content from another session keeps the first link and drops the
+        // second session's data.
+        let again = "00000000-0000-0000-0000-00000000b1c3";
         store
-            .append_staged(single, 0, one(whole.clone()), &mut |_| {})
+            .append_staged(again, 0, one(whole.clone()), &mut |_| {})
             .await
             .unwrap();
+        store
+            .publish_staged(again, whole.len() as u64, &key)
+            .await
+            .unwrap();
+        assert_eq!(store.head(&store.key(&key)).await.unwrap(), Some(held));
+        assert_eq!(store.staged_len(again).await.unwrap(), None);
+        // A retried publish of the first session (a crash after it linked) keeps it.
         store
             .publish_staged(single, whole.len() as u64, &key)
             .await
             .unwrap();
         assert!(store.read_all(&key).await.unwrap() == whole);
-        assert_eq!(store.staged_len(single).await.unwrap(), None);
+        // Removing the blob (its recipe took over) removes the link and its data.
+        store.remove(&key).await.unwrap();
+        assert_eq!(store.stat(&key).await.unwrap(), None);
+        assert_eq!(store.head(&data).await.unwrap(), None);
+        assert!(matches!(
+            store.read_all(&key).await,
+            Err(StoreError::NotFound(_))
+        ));
     }
 }
