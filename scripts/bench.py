@@ -245,6 +245,14 @@ def s3_section(res, counts, desc, runs):
         lines.append(f"| {key} wall time (s) | {fm:.2f} | {fmin:.2f}-{fmax:.2f} | {sm:.2f} | {smin:.2f}-{smax:.2f} | {sm / fm:.2f}x |")
     for key in ("push", "pull"):
         lines.append(f"| {key} throughput (GiB/s) | {size_gib / stats(res['fs'][key])[0]:.2f} | | {size_gib / stats(res['s3'][key])[0]:.2f} | | |")
+    push_ratio = stats(res["s3"]["push"])[0] / stats(res["fs"]["push"])[0]
+    lines += [
+        "",
+        "A blob pushed in one PATCH (as skopeo and docker push) is published on S3 as a link to its",
+        "uploaded bytes, not copied (`registry/src/store/s3.rs`).",
+        f"Goal (issue 18): the S3 push at most 1.5x the fs push: {push_ratio:.2f}x, "
+        f"{'met' if push_ratio <= 1.5 else 'NOT met'}.",
+    ]
     push, conv, rep = counts.get("push", {}), counts.get("convert", {}), counts.get("replica", {})
     chunks = counts.get("chunks_written", 0) or 1
     per_blob = sum(push.values()) / counts["blobs"]

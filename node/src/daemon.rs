@@ -3,7 +3,7 @@
 //! and on TCP with a bearer token when asked.
 //!
 //! Lifecycle: it holds an exclusive lock on `<home>/amberd.lock` for its whole life, so
-//! there is never more than one; before serving it stops any VM a dead predecessor left
+//! there is never more than one (the file holds its PID); before serving it stops any VM a dead predecessor left
 //! and reports those sandboxes lost (`Node::recover`). SIGTERM or SIGINT stop every
 //! sandbox, then the daemon. Started by the CLI on demand (`exit_when_idle`), it exits
 //! `LINGER` after its last sandbox (or prefetch) ended.
@@ -70,9 +70,22 @@ pub async fn serve(
     let home = &config.home;
     std::fs::create_dir_all(home).map_err(io(home))?;
     let lock_path = home.join("amberd.lock");
-    let lock = std::fs::File::create(&lock_path).map_err(io(&lock_path))?;
+    // Not truncated on open: the file holds the lock holder's PID, for whoever must stop
+    // it (a test harness, an operator).
+    let mut lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(io(&lock_path))?;
     if lock.try_lock().is_err() {
         return Err(DaemonError::AlreadyRunning(home.clone()));
+    }
+    {
+        use std::io::Write;
+        lock.set_len(0)
+            .and_then(|()| writeln!(lock, "{}", std::process::id()))
+            .map_err(io(&lock_path))?;
     }
     let exports = Arc::new(Exports::open(home, &config.registry).await?);
     let node = Arc::new(Node::new(

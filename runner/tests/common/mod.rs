@@ -71,6 +71,48 @@ impl Node {
     }
 }
 
+impl Drop for Node {
+    /// A test that fails midway must not leave its node running: the daemon a CLI
+    /// started exits only once idle, and a sandbox keeps it busy, VM and all. So the
+    /// daemon still holding `amberd.lock` (which holds its PID) gets SIGTERM, which stops
+    /// its sandboxes, and SIGKILL if it is still there a minute later, with any VM left.
+    fn drop(&mut self) {
+        let home = self.home.path();
+        let Ok(lock) = std::fs::File::open(home.join("amberd.lock")) else {
+            return;
+        };
+        if lock.try_lock().is_ok() {
+            return; // no daemon
+        }
+        let Some(pid) = std::fs::read_to_string(home.join("amberd.lock"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u32>().ok())
+        else {
+            return;
+        };
+        let signal = |sig: &str, pid: &str| {
+            let _ = Command::new("kill").args([sig, pid]).status();
+        };
+        signal("-TERM", &pid.to_string());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while lock.try_lock().is_err() {
+            if std::time::Instant::now() > deadline {
+                signal("-KILL", &pid.to_string());
+                let vms = std::fs::read_dir(home.join("sandboxes"))
+                    .into_iter()
+                    .flatten();
+                for vm in vms.flatten() {
+                    if let Ok(qemu) = std::fs::read_to_string(vm.path().join("vm/qemu.pid")) {
+                        signal("-KILL", qemu.trim());
+                    }
+                }
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
