@@ -23,8 +23,9 @@
 //!   data: the session it was staged for ends before the link is written
 //!   (`crate::uploads`), and publishing never removes the data a link at its key names;
 //! - only blob keys (`blobs/…`) can be links; what a blob key holds is cached (links and
-//!   published objects never change, and a removed one reads as missing), so a link
-//!   costs one HEAD per process, not per read;
+//!   published objects never change; a removed one reads as missing, and its size is
+//!   its recipe's), so a link costs one HEAD per process, not per read, and a whole
+//!   read (`read_all`, a manifest) takes one GET as before;
 //! - data (a part, or an object of one PUT) goes with an unsigned payload: the request is
 //!   still signed and carries a CRC32 of its body that the server checks, but the body is
 //!   not hashed with SHA-256 twice more (by the SDK to sign it, by the server to check
@@ -735,26 +736,37 @@ impl ObjectStore for S3Store {
     }
 
     async fn read_all(&self, key: &ObjectKey) -> Result<Bytes, StoreError> {
-        let Some(Resolved { data: k, .. }) = self.resolve(key).await? else {
-            return Err(StoreError::NotFound(key.as_str().into()));
-        };
-        let r = self
-            .client
-            .get_object()
-            .bucket(&self.bucket)
-            .key(&k)
-            .send()
-            .await
-            .map_err(|e| match status(&e) {
-                Some(404) => StoreError::NotFound(k.clone()),
-                _ => io_err(format!("reading {k}"), e),
-            })?;
-        let data = r
-            .body
-            .collect()
-            .await
-            .map_err(|e| StoreError::io(format!("reading {k}"), body_err(&k, e)))?;
-        Ok(data.into_bytes())
+        // One GET, whatever the key holds (a manifest read costs what it did before
+        // links); a link answers with no bytes and its metadata names the data.
+        let mut k = self.key(key);
+        if let Some(r) = self.cached(&k) {
+            k = r.data;
+        }
+        loop {
+            let r = self
+                .client
+                .get_object()
+                .bucket(&self.bucket)
+                .key(&k)
+                .send()
+                .await
+                .map_err(|e| match status(&e) {
+                    Some(404) => StoreError::NotFound(k.clone()),
+                    _ => io_err(format!("reading {k}"), e),
+                })?;
+            if let Some(link) = r.metadata().and_then(|m| m.get(LINK_META)) {
+                if key.as_str().starts_with(LINKABLE) && k == self.key(key) {
+                    k = format!("{}{link}", self.prefix);
+                    continue;
+                }
+            }
+            let data = r
+                .body
+                .collect()
+                .await
+                .map_err(|e| StoreError::io(format!("reading {k}"), body_err(&k, e)))?;
+            return Ok(data.into_bytes());
+        }
     }
 
     async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError> {
