@@ -281,7 +281,7 @@ impl S3Store {
         let size = meta.and_then(|m| m.get(SIZE_META));
         Ok(Some(match (link, size) {
             (Some(link), Some(size)) => Resolved {
-                data: format!("{}{link}", self.prefix),
+                data: self.link_target(key, link)?,
                 size: size.parse().map_err(|_| {
                     StoreError::io(
                         format!("link {key}"),
@@ -298,18 +298,21 @@ impl S3Store {
         }))
     }
 
-    /// Where the bytes of published `key` are: for a blob key from the cache or one HEAD,
-    /// for any other key the key itself (`size` then unknown: `None` is returned only
-    /// for a blob key).
+    /// The full key a link at `key` names with `link`: only ever an upload's data object.
+    fn link_target(&self, key: &str, link: &str) -> Result<String, StoreError> {
+        match link.strip_prefix(DATA) {
+            Some(id) if amber_oci::names::upload_id_ok(id) => Ok(format!("{}{link}", self.prefix)),
+            _ => Err(StoreError::io(
+                format!("link {key}"),
+                io::Error::other(format!("{LINK_META} {link:?} names no upload's data")),
+            )),
+        }
+    }
+
+    /// Where the bytes of the blob key `key` are (from the cache, or one HEAD); `None`
+    /// when it does not exist.
     async fn resolve(&self, key: &ObjectKey) -> Result<Option<Resolved>, StoreError> {
         let k = self.key(key);
-        if !key.as_str().starts_with(LINKABLE) {
-            return Ok(Some(Resolved {
-                data: k,
-                size: u64::MAX,
-                link: false,
-            }));
-        }
         if let Some(r) = self.cached(&k) {
             return Ok(Some(r));
         }
@@ -756,7 +759,7 @@ impl ObjectStore for S3Store {
                 })?;
             if let Some(link) = r.metadata().and_then(|m| m.get(LINK_META)) {
                 if key.as_str().starts_with(LINKABLE) && k == self.key(key) {
-                    k = format!("{}{link}", self.prefix);
+                    k = self.link_target(&k, link)?;
                     continue;
                 }
             }
@@ -975,9 +978,12 @@ impl ObjectStore for S3Store {
         key: &ObjectKey,
         ttl: Duration,
     ) -> Result<Option<String>, StoreError> {
-        let k = match self.resolve(key).await? {
-            Some(r) => r.data,
-            None => self.key(key),
+        let k = match key.as_str().starts_with(LINKABLE) {
+            true => match self.resolve(key).await? {
+                Some(r) => r.data,
+                None => self.key(key),
+            },
+            false => self.key(key),
         };
         let cfg = aws_sdk_s3::presigning::PresigningConfig::expires_in(ttl)
             .map_err(|e| StoreError::io(format!("presigning {k}"), io::Error::other(e)))?;
