@@ -145,17 +145,18 @@ stop_s3_servers() {
 }
 
 # start_dockerd: a Docker engine of our own on a Unix socket in $RUN_DIR, no networking
-# changes on the host. Exports DOCKER_SOCK and DOCKER_STORAGE_DRIVER. Storage is overlay2
-# where the kernel lets this machine mount it (layers shared, not copied), else vfs,
-# which copies every layer's whole tree: a test run's images take several times the
-# disk under vfs. AMBER_DOCKER_STORAGE_DRIVER picks one.
+# changes on the host. Exports DOCKER_SOCK and DOCKER_STORAGE_DRIVER. Storage is vfs,
+# which copies every layer's whole tree (6.5 GB of images by the end of a test run).
+# AMBER_DOCKER_STORAGE_DRIVER="overlay2 vfs" tries overlay2 first (layers shared, 2.4 GB
+# by the same point); it is not the default because the one full test run on it had a
+# `docker build` RUN step and a sandbox fail that pass on vfs, not yet understood.
 start_dockerd() {
   local d="$RUN_DIR/docker" driver
   stop_dockerd
   mkdir -p "$d"
   rm -rf "$d/root" # the data root of earlier checkouts, always vfs
   export DOCKER_SOCK="unix://$d/docker.sock"
-  for driver in ${AMBER_DOCKER_STORAGE_DRIVER:-overlay2 vfs}; do
+  for driver in ${AMBER_DOCKER_STORAGE_DRIVER:-vfs}; do
     log "starting a Docker engine on $DOCKER_SOCK ($driver storage)"
     dockerd --iptables=false --ip6tables=false --ip-masq=false --bridge=none \
       --storage-driver="$driver" --data-root "$d/root-$driver" --exec-root "$d/exec" \
