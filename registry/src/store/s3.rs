@@ -692,16 +692,11 @@ fn sdk_stream(body: SdkStream, what: String) -> ByteStream {
 #[async_trait]
 impl ObjectStore for S3Store {
     async fn stat(&self, key: &ObjectKey) -> Result<Option<u64>, StoreError> {
-        let k = self.key(key);
-        if key.as_str().starts_with(LINKABLE) {
-            if let Some(r) = self.cached(&k) {
-                return Ok(Some(r.size));
-            }
-        }
-        let r = self.head(&k).await?;
-        if let (Some(r), true) = (&r, key.as_str().starts_with(LINKABLE)) {
-            self.resolved_lock().put(k, r.clone());
-        }
+        let r = if key.as_str().starts_with(LINKABLE) {
+            self.resolve(key).await?
+        } else {
+            self.head(&self.key(key)).await?
+        };
         Ok(r.map(|r| r.size))
     }
 
