@@ -250,7 +250,7 @@ mod tests {
         reg.put_upload_session(&id, &s, None).await.unwrap();
         let body = Box::pin(stream::iter([Ok(bytes::Bytes::from_static(data))]));
         reg.store
-            .append_staged(&id.to_string(), 0, body, &mut |_| {})
+            .append_staged(&id.to_string(), 0, body, None, &mut |_| {})
             .await
             .unwrap();
         id
@@ -291,7 +291,7 @@ mod tests {
         let b = SessionId::new().to_string();
         let body = Box::pin(stream::iter([Ok(bytes::Bytes::from_static(b"orphan"))]));
         reg.store
-            .append_staged(&b, 0, body, &mut |_| {})
+            .append_staged(&b, 0, body, None, &mut |_| {})
             .await
             .unwrap();
         // A session whose data is gone (published just before a crash).

@@ -351,6 +351,7 @@ async fn append_stream(
             id,
             s.offset,
             limited(body, room, &exceeded),
+            expect_len.or(declared_len),
             &mut |chunk: &[u8]| {
                 if let Some(h) = hs.as_mut() {
                     h.hasher.update(chunk);

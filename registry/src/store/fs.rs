@@ -408,9 +408,14 @@ impl ObjectStore for FsStore {
         &self,
         id: &str,
         offset: u64,
-        mut body: ByteStream,
+        body: ByteStream,
+        len: Option<u64>,
         observe: Observer<'_>,
     ) -> Result<u64, StoreError> {
+        let mut body = match len {
+            Some(n) => super::exactly(body, n),
+            None => body,
+        };
         let path = self.staged(id)?;
         let what = format!("staged upload {id}");
         // The file is written by one blocking thread fed through a small bounded channel:

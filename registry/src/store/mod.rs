@@ -273,6 +273,69 @@ impl StoreError {
 /// Observes every chunk of a staged write as it is stored (hashing, byte counters).
 pub type Observer<'a> = &'a mut (dyn FnMut(&[u8]) + Send);
 
+/// `body`, held to the `len` bytes its sender declared: a byte more, or an end before
+/// `len`, is an error of the stream (and so `StoreError::Body` where it is written).
+pub fn exactly(body: ByteStream, len: u64) -> ByteStream {
+    Box::pin(Exactly {
+        body,
+        len,
+        left: len,
+        failed: false,
+    })
+}
+
+struct Exactly {
+    body: ByteStream,
+    len: u64,
+    left: u64,
+    failed: bool,
+}
+
+impl Stream for Exactly {
+    type Item = io::Result<Bytes>;
+
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        if self.failed {
+            return Poll::Ready(None);
+        }
+        let next = std::task::ready!(self.body.as_mut().poll_next(cx));
+        let short = |s: &Self, kind, what: String| {
+            Some(Err(io::Error::new(
+                kind,
+                format!("{what} than the {} bytes its sender declared", s.len),
+            )))
+        };
+        Poll::Ready(match next {
+            Some(Ok(b)) if b.len() as u64 > self.left => {
+                self.failed = true;
+                short(
+                    &self,
+                    io::ErrorKind::InvalidData,
+                    "the body is longer".into(),
+                )
+            }
+            Some(Ok(b)) => {
+                self.left -= b.len() as u64;
+                Some(Ok(b))
+            }
+            None if self.left > 0 => {
+                self.failed = true;
+                let got = self.len - self.left;
+                short(
+                    &self,
+                    io::ErrorKind::UnexpectedEof,
+                    format!("the body ended after {got} bytes, fewer"),
+                )
+            }
+            other => other,
+        })
+    }
+}
+
 #[async_trait]
 pub trait ObjectStore: Send + Sync + 'static {
     /// The size of a published object, or `None` when it does not exist.
@@ -292,13 +355,17 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// caller acknowledged (created when `offset` is 0); bytes staged past `offset` by a
     /// request that never finished are discarded. Fewer than `offset` bytes staged is an
     /// error here or, for a backend that does not look (s3: no listing per request), when
-    /// the object is read or published. Each chunk is passed to `observe` after it is
-    /// written. Returns the new length once the data is durable.
+    /// the object is read or published. `len` is the body's length when its sender
+    /// declared it (a Content-Length, a descriptor's size): a body of another length is
+    /// then `StoreError::Body`, as a body that fails, and a backend may write the segment in
+    /// one request (s3: one PUT instead of a multipart upload). Each chunk is passed to
+    /// `observe` as it is written. Returns the new length once the data is durable.
     async fn append_staged(
         &self,
         id: &str,
         offset: u64,
         body: ByteStream,
+        len: Option<u64>,
         observe: Observer<'_>,
     ) -> Result<u64, StoreError>;
 

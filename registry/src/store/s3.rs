@@ -62,6 +62,10 @@ const PARALLEL_PARTS: usize = 3;
 const MIN_PART: u64 = 5 << 20;
 /// The largest source range one `UploadPartCopy` may copy.
 const MAX_COPY_PART: u64 = 5 << 30;
+/// The largest object S3 takes in one PUT.
+const MAX_PUT: u64 = 5 << 30;
+/// Chunks of a streamed PUT queued between the client's body and the SDK.
+const PUT_QUEUE: usize = 4;
 /// The published objects that may be links: blobs, the only ones pushed through upload
 /// sessions.
 const LINKABLE: &str = "blobs/";
@@ -155,6 +159,36 @@ impl aws_sdk_s3::config::Intercept for CountRequests {
             .unwrap_or_else(|| "unknown".into());
         metrics::counter!(crate::metrics::S3_REQUESTS, "op" => op).increment(1);
         Ok(())
+    }
+}
+
+/// The body of a streamed PUT: chunks fed through a channel, with its declared length as
+/// the exact size hint the SDK sends as Content-Length (S3 refuses a PUT without one).
+struct Declared {
+    rx: tokio::sync::mpsc::Receiver<Bytes>,
+    left: u64,
+}
+
+impl http_body::Body for Declared {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, io::Error>>> {
+        // The feeder ends the channel early only when its body failed; the PUT then sends
+        // fewer bytes than declared, which the HTTP client refuses to complete.
+        self.rx.poll_recv(cx).map(|chunk| {
+            chunk.map(|b| {
+                self.left = self.left.saturating_sub(b.len() as u64);
+                Ok(http_body::Frame::data(b))
+            })
+        })
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.left)
     }
 }
 
@@ -546,6 +580,48 @@ impl S3Store {
         }
     }
 
+    /// Writes `key` from `body`, declared to be `len` bytes, in one streamed PUT: the body
+    /// goes to the SDK through a small bounded channel, fed here, where `observe` sees
+    /// each chunk. The PUT is not retried by the SDK (its body cannot be replayed): a
+    /// failure is the request's, and the client resumes from its acknowledged offset.
+    async fn put_streamed(
+        &self,
+        key: &str,
+        mut body: ByteStream,
+        len: u64,
+        observe: Observer<'_>,
+    ) -> Result<u64, StoreError> {
+        let (tx, rx) = tokio::sync::mpsc::channel(PUT_QUEUE);
+        let put = self
+            .client
+            .put_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .content_length(len as i64)
+            .body(SdkStream::from_body_1_x(Declared { rx, left: len }))
+            .customize()
+            .disable_payload_signing()
+            .send();
+        let feed = async {
+            let mut total = 0u64;
+            while let Some(chunk) = body.next().await {
+                let chunk = chunk?;
+                observe(&chunk);
+                total += chunk.len() as u64;
+                if tx.send(chunk).await.is_err() {
+                    break; // the PUT ended early; its error is reported below
+                }
+            }
+            drop(tx);
+            Ok::<u64, io::Error>(total)
+        };
+        let (put, fed) = tokio::join!(put, feed);
+        // A body that failed is the client's error, whatever the PUT made of it.
+        let total = fed.map_err(StoreError::Body)?;
+        put.map_err(|e| io_err(format!("writing {key}"), e))?;
+        Ok(total)
+    }
+
     /// Uploads one part; the future owns what it sends, so several run at once.
     fn upload_part(
         &self,
@@ -778,9 +854,14 @@ impl ObjectStore for S3Store {
         &self,
         id: &str,
         offset: u64,
-        mut body: ByteStream,
+        body: ByteStream,
+        len: Option<u64>,
         observe: Observer<'_>,
     ) -> Result<u64, StoreError> {
+        let mut body = match len {
+            Some(n) => super::exactly(body, n),
+            None => body,
+        };
         let prefix = self.staged_prefix(id)?;
         // An empty append (the closing PUT of a chunked upload) writes nothing.
         let first = loop {
@@ -805,7 +886,15 @@ impl ObjectStore for S3Store {
         } else {
             format!("{prefix}{offset:020}")
         };
-        let written = self.write_streamed(&key, body, observe, false).await?;
+        let written = match len {
+            // Declared and bigger than a part: one streamed PUT, so the server writes the
+            // bytes once (a multipart upload's parts are joined on completion, which an
+            // S3-compatible server on a disk does by copying them).
+            Some(n) if n > PART_BYTES as u64 && n <= MAX_PUT => {
+                self.put_streamed(&key, body, n, observe).await?
+            }
+            _ => self.write_streamed(&key, body, observe, false).await?,
+        };
         Ok(offset + written)
     }
 
@@ -1225,11 +1314,11 @@ mod tests {
             ))
         };
         let n = store
-            .append_staged(id, 0, one(a.clone()), &mut |_| {})
+            .append_staged(id, 0, one(a.clone()), None, &mut |_| {})
             .await
             .unwrap();
         let n = store
-            .append_staged(id, n, one(b.clone()), &mut |_| {})
+            .append_staged(id, n, one(b.clone()), None, &mut |_| {})
             .await
             .unwrap();
         assert_eq!(n as usize, a.len() + b.len());
@@ -1261,7 +1350,7 @@ mod tests {
         let mut whole = all.clone();
         whole.reverse();
         store
-            .append_staged(single, 0, one(whole.clone()), &mut |_| {})
+            .append_staged(single, 0, one(whole.clone()), None, &mut |_| {})
             .await
             .unwrap();
         let key = ObjectKey::blob(&amber_oci::digest::Digest::of(
@@ -1317,7 +1406,7 @@ mod tests {
         // second session's data.
         let again = "00000000-0000-0000-0000-00000000b1c3";
         store
-            .append_staged(again, 0, one(whole.clone()), &mut |_| {})
+            .append_staged(again, 0, one(whole.clone()), None, &mut |_| {})
             .await
             .unwrap();
         store

@@ -27,6 +27,7 @@ pub async fn run(store: &dyn ObjectStore) {
     ranges_of_a_large_object(store).await;
     staged_lifecycle(store).await;
     staged_offset_is_checked(store).await;
+    declared_lengths_are_held(store).await;
     concurrent_publish_of_same_content(store).await;
     records_are_compare_and_swap(store).await;
     records_list_in_pages(store).await;
@@ -242,12 +243,14 @@ async fn staged_lifecycle(store: &dyn ObjectStore) {
     let id = "0000aaaa-0000-0000-0000-000000000001";
     let mut seen = 0usize;
     let n = store
-        .append_staged(id, 0, body(&[b"hello ", b"wor"]), &mut |c| seen += c.len())
+        .append_staged(id, 0, body(&[b"hello ", b"wor"]), None, &mut |c| {
+            seen += c.len()
+        })
         .await
         .unwrap();
     assert_eq!((n, seen), (9, 9));
     let n = store
-        .append_staged(id, 9, body(&[b"ld!"]), &mut |_| {})
+        .append_staged(id, 9, body(&[b"ld!"]), None, &mut |_| {})
         .await
         .unwrap();
     assert_eq!(n, 12);
@@ -261,7 +264,7 @@ async fn staged_lifecycle(store: &dyn ObjectStore) {
     // Bytes past the acknowledged length (a request that never finished) are neither
     // read nor published.
     store
-        .append_staged(id, 11, body(&[b" and more"]), &mut |_| {})
+        .append_staged(id, 11, body(&[b" and more"]), None, &mut |_| {})
         .await
         .unwrap();
     assert_eq!(
@@ -280,18 +283,18 @@ async fn staged_lifecycle(store: &dyn ObjectStore) {
 async fn staged_offset_is_checked(store: &dyn ObjectStore) {
     let id = "0000aaaa-0000-0000-0000-000000000002";
     store
-        .append_staged(id, 0, body(&[b"abc"]), &mut |_| {})
+        .append_staged(id, 0, body(&[b"abc"]), None, &mut |_| {})
         .await
         .unwrap();
     // Bytes past the acknowledged length (3) from a request that never finished are
     // replaced by the next append there.
     store
-        .append_staged(id, 3, body(&[b"def"]), &mut |_| {})
+        .append_staged(id, 3, body(&[b"def"]), None, &mut |_| {})
         .await
         .unwrap();
     assert_eq!(
         store
-            .append_staged(id, 3, body(&[b"x"]), &mut |_| {})
+            .append_staged(id, 3, body(&[b"x"]), None, &mut |_| {})
             .await
             .unwrap(),
         4
@@ -303,7 +306,10 @@ async fn staged_offset_is_checked(store: &dyn ObjectStore) {
     // Fewer bytes staged than acknowledged: refused at the append (fs) or when read
     // or published (s3, which does not list per append); never published.
     let short = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"abcx?y"));
-    let refused = match store.append_staged(id, 5, body(&[b"y"]), &mut |_| {}).await {
+    let refused = match store
+        .append_staged(id, 5, body(&[b"y"]), None, &mut |_| {})
+        .await
+    {
         Err(e) => e,
         Ok(_) => store.publish_staged(id, 6, &short).await.unwrap_err(),
     };
@@ -325,7 +331,7 @@ async fn staged_offset_is_checked(store: &dyn ObjectStore) {
     let dead = "0000aaaa-0000-0000-0000-00000000dead";
     let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"?????x"));
     let err = match store
-        .append_staged(dead, 5, body(&[b"x"]), &mut |_| {})
+        .append_staged(dead, 5, body(&[b"x"]), None, &mut |_| {})
         .await
     {
         Err(e) => e,
@@ -344,6 +350,60 @@ async fn staged_offset_is_checked(store: &dyn ObjectStore) {
     assert_eq!(store.staged_len(id).await.unwrap(), None);
 }
 
+/// A body declared to be `len` bytes (a Content-Length) is appended only when it is
+/// exactly that long, small (one write) or larger than an S3 part (one streamed PUT).
+async fn declared_lengths_are_held(store: &dyn ObjectStore) {
+    let big: Bytes = (0..(9u32 << 20) + 77).map(|i| (i % 251) as u8).collect();
+    let one = |b: Bytes| -> ByteStream { Box::pin(stream::iter([Ok(b)])) };
+    let halves = |b: &Bytes| -> ByteStream {
+        let (x, y) = (b.slice(..b.len() / 2), b.slice(b.len() / 2..));
+        Box::pin(stream::iter([Ok(x), Ok(y)]))
+    };
+    for (i, data) in [Bytes::from_static(b"declared"), big]
+        .into_iter()
+        .enumerate()
+    {
+        let n = data.len() as u64;
+        let id = format!("0000cccc-0000-0000-0000-{i:012}");
+        // Shorter than declared: the body's error, and nothing acknowledged is changed.
+        let short = data.slice(..data.len() - 1);
+        let err = store
+            .append_staged(&id, 0, one(short), Some(n), &mut |_| {})
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, StoreError::Body(_)),
+            "short body of {n}: {err}"
+        );
+        // Longer than declared: the same.
+        let err = store
+            .append_staged(&id, 0, halves(&data), Some(n - 1), &mut |_| {})
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, StoreError::Body(_)),
+            "long body of {n}: {err}"
+        );
+        // Exactly as declared, in two chunks: staged and published whole.
+        let mut seen = 0u64;
+        let got = store
+            .append_staged(&id, 0, halves(&data), Some(n), &mut |c| {
+                seen += c.len() as u64
+            })
+            .await
+            .unwrap();
+        assert_eq!((got, seen), (n, n));
+        assert_eq!(
+            collect(store.read_staged(&id, n).await.unwrap()).await,
+            data
+        );
+        let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, &data));
+        store.publish_staged(&id, n, &key).await.unwrap();
+        assert_eq!(store.stat(&key).await.unwrap(), Some(n));
+        assert_eq!(store.read_all(&key).await.unwrap(), data);
+    }
+}
+
 async fn concurrent_publish_of_same_content(store: &dyn ObjectStore) {
     let data: &'static [u8] = b"same content from sixteen uploads";
     let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, data));
@@ -352,7 +412,7 @@ async fn concurrent_publish_of_same_content(store: &dyn ObjectStore) {
         .collect();
     for id in &ids {
         store
-            .append_staged(id, 0, body(&[data]), &mut |_| {})
+            .append_staged(id, 0, body(&[data]), None, &mut |_| {})
             .await
             .unwrap();
     }

@@ -555,7 +555,7 @@ async fn fetch_blob(
         let mut hasher = digest.algorithm().hasher();
         let written = reg
             .store
-            .append_staged(&id, 0, limited, &mut |chunk: &[u8]| {
+            .append_staged(&id, 0, limited, Some(size), &mut |chunk: &[u8]| {
                 hasher.update(chunk);
                 progress.fetched(chunk.len() as u64);
             })
