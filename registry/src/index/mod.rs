@@ -170,6 +170,10 @@ impl Index {
         let cfs = CFS.iter().map(|n| {
             let mut o = Options::default();
             o.set_block_based_table_factory(&table);
+            // Keys and values are mostly hex digests and JSON: LZ4 where data is young
+            // and rewritten soon, zstd (entropy coding halves hex) where it settles.
+            o.set_compression_type(rocksdb::DBCompressionType::Lz4);
+            o.set_bottommost_compression_type(rocksdb::DBCompressionType::Zstd);
             if COUNTER_CFS.contains(n) {
                 o.set_merge_operator_associative("add_u64", totals::add_u64);
                 // A read folds every addition still in the memtable: without a bound,
