@@ -11,6 +11,8 @@ Benchmarks so far:
             Docker inside, against a Docker container of the same image.
   scale     (bench_scale.py) metadata at scale: synthetic images pushed by amber-synth, then
             manifest, tag list, catalog, referrers and resolve reads by wrk; against distribution.
+  bucket    (bench_scale.py) the same images on S3, then a fresh replica reindexes from the
+            bucket: time and S3 requests.
   node      (bench_node.py) idle density, exec round trip and a rollout loop through
             amberd's node API, against the Docker engine on the same image.
 """
@@ -982,10 +984,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small image set, 3 runs")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus", "node", "state", "import", "machine", "scale"], help="run one benchmark")
+    ap.add_argument("--only", choices=["registry", "s3", "convert", "boot", "corpus", "node", "state", "import", "machine", "scale", "bucket"], help="run one benchmark")
     ap.add_argument("--corpus", type=int, help="task images in the corpus (default 200; 20 with --quick)")
     ap.add_argument("--scale", help="image counts the scale benchmark measures at, comma-separated "
                     "(default 10000,100000; 2000,10000 with --quick)")
+    ap.add_argument("--bucket-images", type=int, help="images in the bucket a fresh replica reindexes from "
+                    "(default 100000; 2000 with --quick)")
     ap.add_argument("--scale-peer-seconds", type=float, help="at most this long for the peer's push in the "
                     "scale benchmark (default: as long as amber's whole ingest)")
     a = ap.parse_args()
@@ -1051,6 +1055,11 @@ def main():
         print(f"metadata at scale: {sizes} synthetic images, amber and distribution", flush=True)
         sections.append(bench_scale.scale_section(bench_scale.bench_scale(work, sys.modules[__name__], sizes,
                                                                           a.scale_peer_seconds)))
+    if a.only in (None, "bucket"):
+        import bench_scale
+        n = a.bucket_images or (2000 if a.quick else 100000)
+        print(f"reindex from a bucket: {n} synthetic images on S3, then a fresh replica", flush=True)
+        sections.append(bench_scale.bucket_section(bench_scale.bench_bucket_reindex(work, sys.modules[__name__], n)))
     command = "scripts/bench" + (" --quick" if a.quick else "")
     out = os.path.join(ROOT, "BENCHMARKS.md") if not (a.quick or a.only) else os.path.join(work, "BENCHMARKS.partial.md")
     write_report(out, sections, command)

@@ -284,3 +284,71 @@ def ui_section(res):
     lines += ["", f"Slowest page at {n:,} images: {worst:.1f} ms, "
               f"{'under' if worst < 100 else 'NOT under'} 100 ms.", ""]
     return lines
+
+
+def bench_bucket_reindex(work, h, images):
+    """A registry on S3 (s3s-fs on this machine's disk) takes `images` synthetic images with
+    conversion on; then a fresh replica (an empty data directory over the same bucket)
+    rebuilds its index from the bucket alone: its time and S3 requests."""
+    work = os.path.join(work, "bucket")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    s3 = h.S3sFs(work)
+    res = {"images": images}
+    try:
+        prefix = "scale/"
+        lst = os.path.join(work, "amber.tsv")
+        s = h.Server("amber-bucket", work, extra=s3.args(prefix))
+        try:
+            print(f"  amber on S3: pushing {images} images", flush=True)
+            t0 = time.monotonic()
+            res["push"] = synth(h, ["push", "--registry", s.addr, "--images", str(images), "--list", lst])
+            w = synth(h, ["wait-converted", "--registry", s.addr, "--list", lst])
+            res["ingest_seconds"] = time.monotonic() - t0
+            if w["failed"]:
+                raise RuntimeError(f"{w['failed']} synthetic images failed to convert; log: {s.log}")
+        finally:
+            res["peak_rss_kib"] = s.stop()
+        res["bucket"] = du(os.path.join(s3.root, "amber-bench"))
+        fresh = os.path.join(work, "replica-data")
+        os.makedirs(fresh)
+        print("  a fresh replica: reindex from the bucket", flush=True)
+        t0 = time.monotonic()
+        out = subprocess.run([os.path.join(h.TARGET, "release", "amber-registry"), "reindex", "--data", fresh]
+                             + s3.args(prefix), check=True, capture_output=True, text=True,
+                             env=dict(os.environ, AMBER_LOG="warn"))
+        res["reindex_seconds"] = time.monotonic() - t0
+        lines = out.stdout.strip().splitlines()
+        res["reindex_requests"] = next((l for l in lines if l.startswith("S3 requests")), "")
+        res["reindex_summary"] = lines[-1] if lines else ""
+        res["index"] = du(os.path.join(fresh, "index"))
+    finally:
+        s3.stop()
+    with open(os.path.join(work, "result.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+def bucket_section(res):
+    n = res["images"]
+    b, f = res["bucket"]
+    return [
+        "## Reindex of a fresh replica from a bucket (issue 18)",
+        "",
+        "`scripts/bench --only bucket` (`scripts/bench_scale.py`): the synthetic images of the metadata section,",
+        f"{n:,} of them, pushed by `amber-synth` (64 connections, conversion on) into one `amber-registry` whose",
+        "store is S3 (s3s-fs on this machine's disk, over loopback); then a new replica, an empty data directory",
+        "over the same bucket, runs `amber-registry reindex`: it lists the records and chunks and reads each record",
+        "(64 at a time).",
+        "",
+        "| images | ingest on S3 (images/s) | files of the bucket on the server's disk (per image) | reindex (s) | reindex (images/s) | S3 requests of the reindex (per image) |",
+        "|---|---|---|---|---|---|",
+        f"| {n:,} | {n / res['ingest_seconds']:.0f} | {f:,} ({f / n:.1f}) | {res['reindex_seconds']:.1f} | "
+        f"{n / res['reindex_seconds']:,.0f} | {res['reindex_requests'].split(':', 1)[-1].split('(')[0].strip() or '?'} "
+        f"({float(res['reindex_requests'].split(':', 1)[-1].split('(')[0].strip() or 0) / n:.1f}) |",
+        "",
+        f"Requests by operation: {res['reindex_requests'] or 'none reported'}. The reindex found: "
+        f"{res['reindex_summary']}. Its index: {res['index'][0] / 2**20:.0f} MiB. Peak RSS of the registry over the "
+        f"ingest: {res['peak_rss_kib'] / 1024:.0f} MiB.",
+        "",
+    ]

@@ -124,7 +124,15 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
         }
         Command::Import(args) => import_cmd::run(args).await,
         Command::Reindex(args) => {
+            let metrics = amber_registry::metrics::install();
             let s = amber_registry::reindex::reindex(args.resolve()?).await?;
+            let requests = amber_registry::metrics::s3_requests(&metrics);
+            if !requests.is_empty() {
+                let total: u64 = requests.iter().map(|(_, n)| n).sum();
+                let each: Vec<String> =
+                    requests.iter().map(|(op, n)| format!("{op} {n}")).collect();
+                println!("S3 requests: {total} ({})", each.join(", "));
+            }
             println!(
                 "reindexed {} manifests, {} blobs, {} tags, {} conversions, {} chunks",
                 s.manifests, s.blobs, s.tags, s.conversions, s.chunks

@@ -37,3 +37,24 @@ pub fn install() -> PrometheusHandle {
         })
         .clone()
 }
+
+/// The S3 requests this process sent so far, by operation, from `handle`'s rendering (for
+/// commands that report what they cost, such as `reindex`).
+pub fn s3_requests(handle: &PrometheusHandle) -> Vec<(String, u64)> {
+    let mut out = Vec::new();
+    for line in handle.render().lines() {
+        let Some(rest) = line.strip_prefix(S3_REQUESTS) else {
+            continue;
+        };
+        let op = rest
+            .split_once("op=\"")
+            .and_then(|(_, r)| r.split_once('"'))
+            .map(|(op, _)| op.to_string());
+        let n = rest.rsplit(' ').next().and_then(|n| n.parse::<f64>().ok());
+        if let (Some(op), Some(n)) = (op, n) {
+            out.push((op, n as u64));
+        }
+    }
+    out.sort();
+    out
+}

@@ -83,38 +83,69 @@ pub async fn reindex(config: Config) -> anyhow::Result<Summary> {
     Ok(summary)
 }
 
+/// Records read at once: a reindex from a bucket is bound by request latency, not by
+/// the index.
+const PARALLEL_READS: usize = 64;
+
+/// What one record added to the index.
+enum Filled {
+    Blob,
+    Manifest,
+    Tag(RepoName, Tag),
+    Nothing,
+}
+
+async fn fill_one(reg: &Registry, key: RecordKey) -> anyhow::Result<Filled> {
+    let Some(entry) = parse(&key) else {
+        tracing::warn!(key = key.as_str(), "skipping a record that names nothing");
+        return Ok(Filled::Nothing);
+    };
+    Ok(match entry {
+        Entry::Blob(repo, digest) => match reg.repo_blob(&repo, &digest).await? {
+            Some(_) => Filled::Blob,
+            None => Filled::Nothing,
+        },
+        Entry::Manifest(repo, digest) => {
+            let (v, _) = reg
+                .store
+                .get_record(&key)
+                .await?
+                .with_context(|| format!("record {} vanished", key.as_str()))?;
+            let link: ManifestLink =
+                serde_json::from_slice(&v).with_context(|| format!("record {}", key.as_str()))?;
+            reg.cache_manifest(&repo, &digest, &link)?;
+            Filled::Manifest
+        }
+        Entry::Tag(repo, tag) => Filled::Tag(repo, tag),
+        Entry::Referrer => Filled::Nothing,
+    })
+}
+
 async fn fill(reg: &Registry) -> anyhow::Result<Summary> {
+    use futures_util::{StreamExt, TryStreamExt};
     let mut s = Summary::default();
     let mut tags = Vec::new();
-    for key in reg.store.list_records("_records/repos/").await? {
-        let Some(entry) = parse(&key) else {
-            tracing::warn!(key = key.as_str(), "skipping a record that names nothing");
-            continue;
-        };
-        match entry {
-            Entry::Blob(repo, digest) => {
-                if reg.repo_blob(&repo, &digest).await?.is_some() {
-                    s.blobs += 1;
-                }
-            }
-            Entry::Manifest(repo, digest) => {
-                let (v, _) = reg
-                    .store
-                    .get_record(&key)
-                    .await?
-                    .with_context(|| format!("record {} vanished", key.as_str()))?;
-                let link: ManifestLink = serde_json::from_slice(&v)
-                    .with_context(|| format!("record {}", key.as_str()))?;
-                reg.cache_manifest(&repo, &digest, &link)?;
-                s.manifests += 1;
-            }
-            Entry::Tag(repo, tag) => tags.push((repo, tag)),
-            Entry::Referrer => {}
+    let keys = reg.store.list_records("_records/repos/").await?;
+    let mut filled = futures_util::stream::iter(keys)
+        .map(|key| fill_one(reg, key))
+        .buffer_unordered(PARALLEL_READS);
+    while let Some(f) = filled.try_next().await? {
+        match f {
+            Filled::Blob => s.blobs += 1,
+            Filled::Manifest => s.manifests += 1,
+            Filled::Tag(repo, tag) => tags.push((repo, tag)),
+            Filled::Nothing => {}
         }
     }
     // Tags last: their manifests are in the index by now.
-    for (repo, tag) in tags {
-        let Some(digest) = reg.tag(&repo, &tag).await? else {
+    let mut pointed = futures_util::stream::iter(tags)
+        .map(|(repo, tag)| async move {
+            let digest = reg.tag(&repo, &tag).await?;
+            Ok::<_, anyhow::Error>(digest.map(|d| (repo, tag, d)))
+        })
+        .buffer_unordered(PARALLEL_READS);
+    while let Some(found) = pointed.try_next().await? {
+        let Some((repo, tag, digest)) = found else {
             continue;
         };
         let record = reg
@@ -136,24 +167,26 @@ async fn fill(reg: &Registry) -> anyhow::Result<Summary> {
             reg.index.put_repo(&repo)?;
         }
     }
-    for key in reg.store.list_records("_records/conversions/").await? {
-        let Some(image) = key
-            .as_str()
-            .strip_prefix("_records/conversions/")
-            .and_then(|d| d.parse::<Digest>().ok())
-        else {
-            continue;
-        };
-        if reg.conversion(&image).await?.is_some() {
-            s.conversions += 1;
-        }
-    }
-    for key in reg.store.list("chunks/").await? {
+    let images = reg
+        .store
+        .list_records("_records/conversions/")
+        .await?
+        .into_iter()
+        .filter_map(|key| {
+            key.as_str()
+                .strip_prefix("_records/conversions/")
+                .and_then(|d| d.parse::<Digest>().ok())
+        });
+    s.conversions = futures_util::stream::iter(images)
+        .map(|image| async move { reg.conversion(&image).await })
+        .buffer_unordered(PARALLEL_READS)
+        .try_fold(0, |n, c| async move { Ok(n + usize::from(c.is_some())) })
+        .await?;
+    // Sizes from the listing itself: no request per chunk.
+    for (key, size) in reg.store.list_sizes("chunks/").await? {
         let id = key.as_str().rsplit('/').next().unwrap_or("");
-        if let Some(size) = reg.store.stat(&key).await? {
-            reg.index.put_chunk(&format!("blake3:{id}"), size)?;
-            s.chunks += 1;
-        }
+        reg.index.put_chunk(&format!("blake3:{id}"), size)?;
+        s.chunks += 1;
     }
     Ok(s)
 }

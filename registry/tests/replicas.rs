@@ -195,7 +195,10 @@ async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
         .arg(dc.path())
         .args(s3_args("moto", &prefix));
     let out = run(&mut cmd);
-    assert!(out.starts_with("reindexed "), "{out}");
+    // What the reindex cost in S3 requests, then what it found.
+    let (cost, found) = out.trim().split_once('\n').unwrap_or(("", &out));
+    assert!(cost.starts_with("S3 requests: "), "{out}");
+    assert!(found.starts_with("reindexed "), "{out}");
     let c = replica(dc.path(), &prefix);
     for ((q, accept), want) in queries.iter().zip(&before) {
         let got = get(&c, q, accept).await;

@@ -173,8 +173,13 @@ fn mark_catalog_records(root: &Path) -> io::Result<()> {
     std::fs::File::open(root.join("_records"))?.sync_all()
 }
 
-/// Every file under `root` whose path relative to `root` starts with `prefix`, sorted.
-async fn walk(root: PathBuf, prefix: String) -> Result<Vec<String>, StoreError> {
+/// Every file under `root` whose path relative to `root` starts with `prefix`, sorted,
+/// with its size when `sizes` (0 otherwise: no stat per file).
+async fn walk(
+    root: PathBuf,
+    prefix: String,
+    sizes: bool,
+) -> Result<Vec<(String, u64)>, StoreError> {
     tokio::task::spawn_blocking(move || {
         let top = match prefix.rfind('/') {
             Some(i) => root.join(&prefix[..i]),
@@ -196,7 +201,14 @@ async fn walk(root: PathBuf, prefix: String) -> Result<Vec<String>, StoreError> 
                 } else if let Ok(rel) = p.strip_prefix(&root) {
                     let rel = rel.to_string_lossy().to_string();
                     if rel.starts_with(&prefix) {
-                        out.push(rel);
+                        let size = match e.metadata() {
+                            _ if !sizes => 0,
+                            Ok(m) => m.len(),
+                            // Gone since the directory was read (a temporary name).
+                            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                            Err(e) => return Err(StoreError::io(rel, e)),
+                        };
+                        out.push((rel, size));
                     }
                 }
             }
@@ -554,14 +566,23 @@ impl ObjectStore for FsStore {
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectKey>, StoreError> {
+        Ok(self
+            .list_sizes(prefix)
+            .await?
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect())
+    }
+
+    async fn list_sizes(&self, prefix: &str) -> Result<Vec<(ObjectKey, u64)>, StoreError> {
         let top = prefix.split('/').next().unwrap_or("");
         if top.is_empty() || top.starts_with('_') || top.contains("..") {
             return Ok(Vec::new());
         }
-        Ok(walk(self.root.clone(), prefix.to_string())
+        Ok(walk(self.root.clone(), prefix.to_string(), true)
             .await?
             .into_iter()
-            .map(ObjectKey)
+            .map(|(k, n)| (ObjectKey(k), n))
             .collect())
     }
 
@@ -632,10 +653,10 @@ impl ObjectStore for FsStore {
         if !prefix.starts_with(RecordKey::ALL) || prefix.contains("..") {
             return Ok(Vec::new());
         }
-        let mut keys: Vec<RecordKey> = walk(self.root.clone(), prefix.to_string())
+        let mut keys: Vec<RecordKey> = walk(self.root.clone(), prefix.to_string(), false)
             .await?
             .iter()
-            .filter_map(|k| RecordKey::parse(k))
+            .filter_map(|(k, _)| RecordKey::parse(k))
             .collect();
         keys.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         Ok(keys)

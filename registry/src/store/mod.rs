@@ -401,6 +401,12 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// Keys of every published object starting with `prefix` (for fsck and reindex).
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectKey>, StoreError>;
 
+    /// Published objects whose keys start with `prefix`, with their sizes as the listing
+    /// gives them (no request per object). Only for objects stored as themselves
+    /// (`chunks/`, `envs/`, `chains/`): a blob the s3 backend published as a link to its
+    /// upload lists with the link's size, 0; `stat` gives a blob's.
+    async fn list_sizes(&self, prefix: &str) -> Result<Vec<(ObjectKey, u64)>, StoreError>;
+
     /// A record's value and version, or `None` when it does not exist.
     async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError>;
 

@@ -1044,6 +1044,15 @@ impl ObjectStore for S3Store {
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectKey>, StoreError> {
+        Ok(self
+            .list_sizes(prefix)
+            .await?
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect())
+    }
+
+    async fn list_sizes(&self, prefix: &str) -> Result<Vec<(ObjectKey, u64)>, StoreError> {
         // Staged objects and records are not published objects.
         if prefix.is_empty() || prefix.starts_with('_') {
             return Ok(Vec::new());
@@ -1053,7 +1062,7 @@ impl ObjectStore for S3Store {
             .list_keys(&full)
             .await?
             .into_iter()
-            .map(|(k, _)| ObjectKey(k[self.prefix.len()..].to_string()))
+            .map(|(k, n)| (ObjectKey(k[self.prefix.len()..].to_string()), n))
             .collect())
     }
 

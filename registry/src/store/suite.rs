@@ -158,6 +158,14 @@ async fn put_is_create_once(store: &dyn ObjectStore) {
     assert_eq!(&store.read_all(&key).await.unwrap()[..], b"manifest");
     let listed = store.list("blobs/sha256/").await.unwrap();
     assert!(listed.contains(&key));
+    // Objects stored as themselves list with their sizes, without a request each.
+    let chunk = ObjectKey::chunk(&amber_oci::env::ChunkId::of(b"a chunk"));
+    store
+        .put(&chunk, Bytes::from_static(b"chunk bytes"))
+        .await
+        .unwrap();
+    let sized = store.list_sizes("chunks/").await.unwrap();
+    assert!(sized.contains(&(chunk, 11)), "{sized:?}");
 }
 
 /// Removal (a layer blob replaced by its recipe): the object is gone for stat, read and
