@@ -990,6 +990,8 @@ def main():
                     "(default 10000,100000; 2000,10000 with --quick)")
     ap.add_argument("--bucket-images", type=int, help="images in the bucket a fresh replica reindexes from "
                     "(default 100000; 2000 with --quick)")
+    ap.add_argument("--bucket-seed", choices=["s3", "fs"], help="how the bucket is filled: pushed through S3, "
+                    "or pushed to local disk and linked into the bucket (default: fs above 10000 images)")
     ap.add_argument("--scale-peer-seconds", type=float, help="at most this long for the peer's push in the "
                     "scale benchmark (default: as long as amber's whole ingest)")
     a = ap.parse_args()
@@ -1058,8 +1060,10 @@ def main():
     if a.only in (None, "bucket"):
         import bench_scale
         n = a.bucket_images or (2000 if a.quick else 100000)
-        print(f"reindex from a bucket: {n} synthetic images on S3, then a fresh replica", flush=True)
-        sections.append(bench_scale.bucket_section(bench_scale.bench_bucket_reindex(work, sys.modules[__name__], n)))
+        seed = a.bucket_seed or ("fs" if n > 10000 else "s3")
+        print(f"reindex from a bucket: {n} synthetic images (pushed to {seed}), then a fresh replica", flush=True)
+        sections.append(bench_scale.bucket_section(bench_scale.bench_bucket_reindex(work, sys.modules[__name__], n,
+                                                                                    seed)))
     command = "scripts/bench" + (" --quick" if a.quick else "")
     out = os.path.join(ROOT, "BENCHMARKS.md") if not (a.quick or a.only) else os.path.join(work, "BENCHMARKS.partial.md")
     write_report(out, sections, command)

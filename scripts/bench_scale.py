@@ -286,21 +286,27 @@ def ui_section(res):
     return lines
 
 
-def bench_bucket_reindex(work, h, images):
-    """A registry on S3 (s3s-fs on this machine's disk) takes `images` synthetic images with
-    conversion on; then a fresh replica (an empty data directory over the same bucket)
-    rebuilds its index from the bucket alone: its time and S3 requests."""
+def bench_bucket_reindex(work, h, images, seed="s3"):
+    """A bucket on s3s-fs (this machine's disk) holding `images` synthetic images, converted;
+    then a fresh replica (an empty data directory over the same bucket) rebuilds its index
+    from the bucket alone: its time and S3 requests.
+
+    `seed` says how the bucket is filled: "s3" pushes through a registry on the bucket (and
+    measures that ingest); "fs" pushes into a registry on local disk and links its store
+    into the bucket's directory, key for key (the fs store and the S3 store name every
+    object and record alike), for sizes whose S3 ingest would take hours here."""
     work = os.path.join(work, "bucket")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     s3 = h.S3sFs(work)
-    res = {"images": images}
+    res = {"images": images, "seed": seed}
     try:
         prefix = "scale/"
         lst = os.path.join(work, "amber.tsv")
-        s = h.Server("amber-bucket", work, extra=s3.args(prefix))
+        extra = s3.args(prefix) if seed == "s3" else []
+        s = h.Server("amber-bucket", work, extra=extra)
         try:
-            print(f"  amber on S3: pushing {images} images", flush=True)
+            print(f"  amber on {seed}: pushing {images} images", flush=True)
             t0 = time.monotonic()
             res["push"] = synth(h, ["push", "--registry", s.addr, "--images", str(images), "--list", lst])
             w = synth(h, ["wait-converted", "--registry", s.addr, "--list", lst])
@@ -308,8 +314,15 @@ def bench_bucket_reindex(work, h, images):
             if w["failed"]:
                 raise RuntimeError(f"{w['failed']} synthetic images failed to convert; log: {s.log}")
         finally:
-            res["peak_rss_kib"] = s.stop()
-        res["bucket"] = du(os.path.join(s3.root, "amber-bench"))
+            res["peak_rss_kib"] = s.stop(keep=seed == "fs")
+        bucket = os.path.join(s3.root, "amber-bench")
+        if seed == "fs":
+            store = os.path.join(s.data, "store")
+            for leftover in ("_tmp", "_staging"):
+                shutil.rmtree(os.path.join(store, leftover), ignore_errors=True)
+            subprocess.run(["cp", "-al", store, os.path.join(bucket, prefix.rstrip("/"))], check=True)
+            shutil.rmtree(s.data)
+        res["bucket"] = du(bucket)
         fresh = os.path.join(work, "replica-data")
         os.makedirs(fresh)
         print("  a fresh replica: reindex from the bucket", flush=True)
@@ -336,12 +349,16 @@ def bucket_section(res):
         "## Reindex of a fresh replica from a bucket (issue 18)",
         "",
         "`scripts/bench --only bucket` (`scripts/bench_scale.py`): the synthetic images of the metadata section,",
-        f"{n:,} of them, pushed by `amber-synth` (64 connections, conversion on) into one `amber-registry` whose",
-        "store is S3 (s3s-fs on this machine's disk, over loopback); then a new replica, an empty data directory",
-        "over the same bucket, runs `amber-registry reindex`: it lists the records and chunks and reads each record",
-        "(64 at a time).",
+        f"{n:,} of them, pushed by `amber-synth` (64 connections, conversion on) into one `amber-registry`, "
+        + ("whose store is the bucket (S3: s3s-fs on this machine's disk, over loopback)."
+           if res["seed"] == "s3" else
+           "on local disk, whose store was then linked into the bucket's directory of s3s-fs (an S3-compatible "
+           "server with data on this machine's disk, over loopback): the fs and S3 stores name every object and "
+           "record alike, and the ingest through s3s-fs runs at a few images per second here."),
+        "Then a new replica, an empty data directory over the same bucket, runs `amber-registry reindex`: it lists",
+        "the records and chunks and reads each record (64 at a time).",
         "",
-        "| images | ingest on S3 (images/s) | files of the bucket on the server's disk (per image) | reindex (s) | reindex (images/s) | S3 requests of the reindex (per image) |",
+        f"| images | ingest on {res['seed']} (images/s) | objects in the bucket (per image) | reindex (s) | reindex (images/s) | S3 requests of the reindex (per image) |",
         "|---|---|---|---|---|---|",
         f"| {n:,} | {n / res['ingest_seconds']:.0f} | {f:,} ({f / n:.1f}) | {res['reindex_seconds']:.1f} | "
         f"{n / res['reindex_seconds']:,.0f} | {res['reindex_requests'].split(':', 1)[-1].split('(')[0].strip() or '?'} "
