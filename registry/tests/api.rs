@@ -822,3 +822,59 @@ async fn metrics_count_requests_bytes_and_uploads() {
         assert!(text.contains(want), "{want} missing from:\n{text}");
     }
 }
+
+/// A small monolithic upload (POST `?digest=` with a Content-Length of at most 1 MiB) is
+/// verified in memory and written once: no upload session, nothing staged. On S3: one
+/// PutObject for the blob and one for the repository's link record, nothing listed or
+/// deleted. A larger one still goes through a session, and both read back exactly.
+async fn small_monolithic_uploads_are_one_write_on(storage: Storage) {
+    let s = Server::start_on(storage, &[]);
+    push_blob(&s, "one/write", b"first: the repository's catalog record").await;
+    const OPS: [&str; 4] = ["PutObject", "DeleteObject", "ListObjectsV2", "HeadObject"];
+    let ops = |text: String| -> Vec<u64> {
+        OPS.iter()
+            .map(|op| {
+                metric(
+                    &text.replace(&format!("{{op=\"{op}\"}}"), &format!("_{op}")),
+                    &format!("amber_s3_requests_total_{op}"),
+                )
+            })
+            .collect()
+    };
+    let before = ops(metrics_text(&s).await);
+    let small = vec![5u8; 1 << 20];
+    let d = push_blob(&s, "one/write", &small).await;
+    let after = ops(metrics_text(&s).await);
+    if storage == Storage::S3 {
+        let delta: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+        assert_eq!(delta, vec![2, 0, 0, 0], "S3 requests by operation: {OPS:?}");
+    } else {
+        let uploads = s.data.join("store/_records/uploads");
+        let left = std::fs::read_dir(&uploads).map(|d| d.count()).unwrap_or(0);
+        assert_eq!(left, 0, "no session record under {uploads:?}");
+        let staged = std::fs::read_dir(s.data.join("store/_staging"))
+            .unwrap()
+            .count();
+        assert_eq!(staged, 0, "nothing staged");
+    }
+    assert_eq!(
+        get_bytes(&s, &format!("/v2/one/write/blobs/{d}")).await,
+        small
+    );
+    let big = vec![6u8; (1 << 20) + 1];
+    let d = push_blob(&s, "one/write", &big).await;
+    assert_eq!(
+        get_bytes(&s, &format!("/v2/one/write/blobs/{d}")).await,
+        big
+    );
+}
+
+#[tokio::test]
+async fn small_monolithic_uploads_are_one_write_fs() {
+    small_monolithic_uploads_are_one_write_on(Storage::Fs).await;
+}
+
+#[tokio::test]
+async fn small_monolithic_uploads_are_one_write_s3() {
+    small_monolithic_uploads_are_one_write_on(Storage::S3).await;
+}

@@ -119,6 +119,14 @@ pub async fn start(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Re
     } else {
         digest_param(&q)?
     };
+    if let Some(digest) = &digest {
+        let declared: Option<u64> =
+            header_str(req.headers(), header::CONTENT_LENGTH).and_then(|v| v.parse().ok());
+        let small = declared.filter(|&n| n <= SMALL_BLOB.min(reg.config.max_blob_bytes));
+        if let (Some(n), None) = (small, req.headers().get(header::CONTENT_RANGE)) {
+            return small_blob(reg, &name, digest.clone(), n, req).await;
+        }
+    }
     let id = SessionId::new();
     let now = now_unix();
     let mut session = UploadSession {
@@ -325,17 +333,7 @@ async fn append_stream(
     if let Some(n) = expect_len.or(declared_len).filter(|&n| n > room) {
         return Err(too_large(max, s.offset, n));
     }
-    let Ok(_slot) = reg.upload_slots.clone().try_acquire_owned() else {
-        return Err(ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "TOOMANYREQUESTS",
-            format!(
-                "{} uploads are in progress (max_concurrent_uploads); retry",
-                reg.config.max_concurrent_uploads
-            ),
-        )
-        .with_header(header::RETRY_AFTER, "1"));
-    };
+    let _slot = upload_slot(reg)?;
     // Staged bytes past the acknowledged offset belong to a request that never finished:
     // the store appends after the acknowledged offset and drops them.
     let mut hs = if s.offset == 0 {
@@ -438,6 +436,80 @@ fn limited(body: ByteStream, room: u64, exceeded: &Arc<AtomicBool>) -> ByteStrea
     }))
 }
 
+/// A monolithic upload (POST `?digest=`) of at most this many bytes, by its Content-Length,
+/// is read into memory, verified and published under its digest in one write: no upload
+/// session, no staged object. On S3 that is one PUT instead of a session record written
+/// three times, a staged object, a listing and a link (config blobs and small task
+/// layers are most blobs of a registry of task images). Memory: this times
+/// `max_concurrent_uploads` at most.
+const SMALL_BLOB: u64 = 1 << 20;
+
+/// Reads a monolithic upload of `n` declared bytes, verifies it against `digest`, and
+/// publishes it. A body that does not match its digest or its length stores nothing.
+async fn small_blob(
+    reg: &AppState,
+    name: &RepoName,
+    digest: Digest,
+    n: u64,
+    req: Request,
+) -> ApiResult<Response> {
+    let _slot = upload_slot(reg)?;
+    let mut body = crate::store::exactly(request_stream(req), n);
+    let mut bytes = bytes::BytesMut::with_capacity(n as usize);
+    metrics::gauge!(crate::metrics::UPLOADS_IN_FLIGHT).increment(1.0);
+    let read = async {
+        while let Some(chunk) = body.next().await {
+            let chunk = chunk?;
+            metrics::counter!(crate::metrics::BYTES_IN).increment(chunk.len() as u64);
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok::<(), std::io::Error>(())
+    }
+    .await;
+    metrics::gauge!(crate::metrics::UPLOADS_IN_FLIGHT).decrement(1.0);
+    read.map_err(|e| {
+        ApiError::upload_invalid(format!(
+            "the request body did not match its Content-Length of {n} bytes ({e}); nothing was stored"
+        ))
+    })?;
+    let bytes = bytes.freeze();
+    let mut hasher = digest.algorithm().hasher();
+    hasher.update(&bytes);
+    let actual = hasher.finish();
+    if actual != digest {
+        return Err(ApiError::digest_invalid(format!(
+            "the uploaded {n} bytes have digest {actual}, not {digest}; nothing was stored"
+        )));
+    }
+    if !kept_as_recipe(reg, &digest).await? {
+        reg.store.put(&ObjectKey::blob(&digest), bytes).await?;
+    }
+    reg.link_blob(name, &digest, n).await?;
+    Ok(created(name, &digest))
+}
+
+/// Whether `digest` is a layer this registry keeps as a recipe (`crate::recipe`): its
+/// bytes are not stored again.
+async fn kept_as_recipe(reg: &AppState, digest: &Digest) -> ApiResult<bool> {
+    Ok(reg.index.blob_size(digest)?.is_some()
+        && reg.store.stat(&ObjectKey::recipe(digest)).await?.is_some())
+}
+
+/// One of the `max_concurrent_uploads` slots, or 429.
+fn upload_slot(reg: &AppState) -> ApiResult<tokio::sync::OwnedSemaphorePermit> {
+    reg.upload_slots.clone().try_acquire_owned().map_err(|_| {
+        ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "TOOMANYREQUESTS",
+            format!(
+                "{} uploads are in progress (max_concurrent_uploads); retry",
+                reg.config.max_concurrent_uploads
+            ),
+        )
+        .with_header(header::RETRY_AFTER, "1")
+    })
+}
+
 /// Verifies the staged bytes against `digest` and publishes them as the blob.
 async fn complete(
     reg: &AppState,
@@ -470,8 +542,7 @@ async fn complete(
         )));
     }
     // A layer this registry keeps as a recipe (`crate::recipe`) is not stored again.
-    let known = reg.index.blob_size(&digest)?.is_some();
-    if known && reg.store.stat(&ObjectKey::recipe(&digest)).await?.is_some() {
+    if kept_as_recipe(reg, &digest).await? {
         reg.store.remove_staged(id).await?;
         reg.finish_upload_session(sid).await?;
     } else {
