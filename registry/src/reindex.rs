@@ -12,7 +12,7 @@ use crate::config::Config;
 use crate::index::Index;
 use crate::records::ManifestLink;
 use crate::registry::Registry;
-use crate::store::RecordKey;
+use crate::store::{self, RecordKey};
 use amber_oci::digest::Digest;
 use amber_oci::names::{RepoName, Tag};
 
@@ -87,6 +87,15 @@ pub async fn reindex(config: Config) -> anyhow::Result<Summary> {
 /// the index.
 const PARALLEL_READS: usize = 64;
 
+/// Levels of the store's tree listed at once (one listing per repository and kind of
+/// record, per chunk fan-out directory): a flat listing of millions of keys would be
+/// thousands of requests one after another.
+const PARALLEL_LISTINGS: usize = 32;
+
+/// Listed levels waiting to be read: bounds the memory of a reindex, however many records
+/// the bucket holds.
+const LISTED_AHEAD: usize = 64;
+
 /// What one record added to the index.
 enum Filled {
     Blob,
@@ -101,10 +110,18 @@ async fn fill_one(reg: &Registry, key: RecordKey) -> anyhow::Result<Filled> {
         return Ok(Filled::Nothing);
     };
     Ok(match entry {
-        Entry::Blob(repo, digest) => match reg.repo_blob(&repo, &digest).await? {
-            Some(_) => Filled::Blob,
-            None => Filled::Nothing,
-        },
+        Entry::Blob(repo, digest) => {
+            // A blob's size is its content's: once one repository's record gave it, the
+            // others' (a shared base layer's, in thousands of repositories) need no read.
+            if let Some(size) = reg.index.blob_size(&digest)? {
+                reg.index.put_blob(&repo, &digest, size)?;
+                return Ok(Filled::Blob);
+            }
+            match reg.repo_blob(&repo, &digest).await? {
+                Some(_) => Filled::Blob,
+                None => Filled::Nothing,
+            }
+        }
         Entry::Manifest(repo, digest) => {
             let (v, _) = reg
                 .store
@@ -121,22 +138,70 @@ async fn fill_one(reg: &Registry, key: RecordKey) -> anyhow::Result<Filled> {
     })
 }
 
+/// Walks `root` in the store ([`store::walk`], skipping prefixes `descend` refuses) while
+/// `read` reads what it found, `PARALLEL_READS` at a time, folding the results into
+/// `init` with `fold`; the walk runs ahead of the reads by at most `LISTED_AHEAD` levels.
+async fn walk_and_read<T, A, F, Fut>(
+    reg: &Registry,
+    root: &str,
+    descend: impl Fn(&str) -> bool,
+    read: F,
+    init: A,
+    mut fold: impl FnMut(A, T) -> A,
+) -> anyhow::Result<A>
+where
+    F: Fn((String, u64)) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    use futures_util::{StreamExt, TryStreamExt};
+    let (tx, rx) = tokio::sync::mpsc::channel(LISTED_AHEAD);
+    let walk = store::walk(&*reg.store, root, descend, PARALLEL_LISTINGS, tx);
+    let levels = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|level| (level, rx))
+    });
+    let reads = async {
+        let mut read = std::pin::pin!(levels
+            .flat_map(futures_util::stream::iter)
+            .map(read)
+            .buffer_unordered(PARALLEL_READS));
+        let mut acc = init;
+        while let Some(t) = read.try_next().await? {
+            acc = fold(acc, t);
+        }
+        Ok::<_, anyhow::Error>(acc)
+    };
+    let (walked, read) = futures_util::join!(walk, reads);
+    // A failed read drops the receiver, which ends the walk: report the read's error.
+    let read = read?;
+    walked.with_context(|| format!("listing {root} in the store"))?;
+    Ok(read)
+}
+
 async fn fill(reg: &Registry) -> anyhow::Result<Summary> {
     use futures_util::{StreamExt, TryStreamExt};
-    let mut s = Summary::default();
-    let mut tags = Vec::new();
-    let keys = reg.store.list_records("_records/repos/").await?;
-    let mut filled = futures_util::stream::iter(keys)
-        .map(|key| fill_one(reg, key))
-        .buffer_unordered(PARALLEL_READS);
-    while let Some(f) = filled.try_next().await? {
-        match f {
-            Filled::Blob => s.blobs += 1,
-            Filled::Manifest => s.manifests += 1,
-            Filled::Tag(repo, tag) => tags.push((repo, tag)),
-            Filled::Nothing => {}
-        }
-    }
+    // Referrer records say what the manifest records say already.
+    let (mut s, tags) = walk_and_read(
+        reg,
+        "_records/repos/",
+        |p| !p.ends_with("/_referrers/"),
+        |(key, _)| async move {
+            match RecordKey::parse(&key) {
+                Some(key) => fill_one(reg, key).await,
+                None => Ok(Filled::Nothing),
+            }
+        },
+        (Summary::default(), Vec::new()),
+        |(mut s, mut tags), f| {
+            match f {
+                Filled::Blob => s.blobs += 1,
+                Filled::Manifest => s.manifests += 1,
+                Filled::Tag(repo, tag) => tags.push((repo, tag)),
+                Filled::Nothing => {}
+            }
+            (s, tags)
+        },
+    )
+    .await?;
     // Tags last: their manifests are in the index by now.
     let mut pointed = futures_util::stream::iter(tags)
         .map(|(repo, tag)| async move {
@@ -162,31 +227,51 @@ async fn fill(reg: &Registry) -> anyhow::Result<Summary> {
         })?;
         s.tags += 1;
     }
-    for key in reg.store.list_records(RecordKey::CATALOG).await? {
-        if let Some(repo) = key.catalog_repo() {
-            reg.index.put_repo(&repo)?;
-        }
-    }
-    let images = reg
-        .store
-        .list_records("_records/conversions/")
-        .await?
-        .into_iter()
-        .filter_map(|key| {
-            key.as_str()
+    let count = |n: usize, found: bool| n + usize::from(found);
+    walk_and_read(
+        reg,
+        RecordKey::CATALOG,
+        |_| true,
+        |(key, _)| async move {
+            if let Some(repo) = RecordKey::parse(&key).and_then(|k| k.catalog_repo()) {
+                reg.index.put_repo(&repo)?;
+            }
+            Ok(())
+        },
+        (),
+        |(), ()| (),
+    )
+    .await?;
+    s.conversions = walk_and_read(
+        reg,
+        "_records/conversions/",
+        |_| true,
+        |(key, _)| async move {
+            let image = key
                 .strip_prefix("_records/conversions/")
-                .and_then(|d| d.parse::<Digest>().ok())
-        });
-    s.conversions = futures_util::stream::iter(images)
-        .map(|image| async move { reg.conversion(&image).await })
-        .buffer_unordered(PARALLEL_READS)
-        .try_fold(0, |n, c| async move { Ok(n + usize::from(c.is_some())) })
-        .await?;
+                .and_then(|d| d.parse::<Digest>().ok());
+            Ok(match image {
+                Some(image) => reg.conversion(&image).await?.is_some(),
+                None => false,
+            })
+        },
+        0,
+        count,
+    )
+    .await?;
     // Sizes from the listing itself: no request per chunk.
-    for (key, size) in reg.store.list_sizes("chunks/").await? {
-        let id = key.as_str().rsplit('/').next().unwrap_or("");
-        reg.index.put_chunk(&format!("blake3:{id}"), size)?;
-        s.chunks += 1;
-    }
+    s.chunks = walk_and_read(
+        reg,
+        "chunks/",
+        |_| true,
+        |(key, size)| async move {
+            let id = key.rsplit('/').next().unwrap_or("");
+            reg.index.put_chunk(&format!("blake3:{id}"), size)?;
+            Ok(true)
+        },
+        0,
+        count,
+    )
+    .await?;
     Ok(s)
 }

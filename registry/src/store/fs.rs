@@ -15,7 +15,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use std::io::{Read, Write};
 
-use super::{ByteStream, ObjectKey, ObjectStore, Observer, RecordKey, StoreError, Version};
+use super::{ByteStream, Level, ObjectKey, ObjectStore, Observer, RecordKey, StoreError, Version};
 
 /// Size of the reads that stream a staged upload (published objects are mapped instead,
 /// see [`stream_published`]). Above glibc's fixed mmap threshold (main.rs), so each
@@ -584,6 +584,44 @@ impl ObjectStore for FsStore {
             .into_iter()
             .map(|(k, n)| (ObjectKey(k), n))
             .collect())
+    }
+
+    async fn list_level(&self, prefix: &str) -> Result<Level, StoreError> {
+        if !super::level_prefix_ok(prefix) {
+            return Ok(Level::default());
+        }
+        let dir = self.root.join(prefix);
+        let prefix = prefix.to_string();
+        tokio::task::spawn_blocking(move || {
+            let what = || dir.display().to_string();
+            let mut level = Level::default();
+            let rd = match std::fs::read_dir(&dir) {
+                Ok(rd) => rd,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(level),
+                Err(e) => return Err(StoreError::io(what(), e)),
+            };
+            for e in rd {
+                let e = e.map_err(|e| StoreError::io(what(), e))?;
+                let Some(name) = e.file_name().to_str().map(str::to_string) else {
+                    continue;
+                };
+                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                    level.prefixes.push(format!("{prefix}{name}/"));
+                    continue;
+                }
+                match e.metadata() {
+                    Ok(m) => level.keys.push((format!("{prefix}{name}"), m.len())),
+                    // Gone since the directory was read.
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(StoreError::io(what(), e)),
+                }
+            }
+            level.keys.sort();
+            level.prefixes.sort();
+            Ok(level)
+        })
+        .await
+        .expect("listing task")
     }
 
     async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError> {

@@ -227,6 +227,60 @@ pub fn after_mark(prefix: &str) -> &'static str {
     }
 }
 
+/// One level of the key tree ([`ObjectStore::list_level`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Level {
+    /// Keys directly under the prefix, with their sizes.
+    pub keys: Vec<(String, u64)>,
+    /// Prefixes one level down, each ending in `/`.
+    pub prefixes: Vec<String>,
+}
+
+/// Whether `prefix` names a part of the tree [`ObjectStore::list_level`] lists: ending in
+/// `/`, no empty, `.` or `..` part, and records or published objects (not a first part
+/// starting with `_` other than `_records`).
+pub fn level_prefix_ok(prefix: &str) -> bool {
+    let Some(body) = prefix.strip_suffix('/') else {
+        return false;
+    };
+    let first = body.split('/').next().unwrap_or("");
+    (first == "_records" || !first.starts_with('_'))
+        && body
+            .split('/')
+            .all(|p| !p.is_empty() && p != "." && p != "..")
+}
+
+/// Lists every key under `root` by walking its levels ([`ObjectStore::list_level`]),
+/// `parallel` listings at a time, and sends each level's keys, as one batch, into `found`
+/// (a bounded channel: memory stays bounded however many keys the tree holds). Prefixes
+/// for which `descend` is false are not listed. Returns when the tree is walked, at the
+/// first failed listing, or when `found`'s receiver is dropped (its reader failed).
+pub async fn walk(
+    store: &dyn ObjectStore,
+    root: &str,
+    descend: impl Fn(&str) -> bool,
+    parallel: usize,
+    found: tokio::sync::mpsc::Sender<Vec<(String, u64)>>,
+) -> Result<(), StoreError> {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
+    let mut pending = vec![root.to_string()];
+    let mut listing = FuturesUnordered::new();
+    loop {
+        while listing.len() < parallel.max(1) {
+            let Some(prefix) = pending.pop() else { break };
+            listing.push(async move { store.list_level(&prefix).await });
+        }
+        let Some(level) = listing.next().await else {
+            return Ok(());
+        };
+        let level = level?;
+        pending.extend(level.prefixes.into_iter().filter(|p| descend(p)));
+        if !level.keys.is_empty() && found.send(level.keys).await.is_err() {
+            return Ok(());
+        }
+    }
+}
+
 /// The version of a record as its store sees it (an ETag, or a content hash); compared
 /// only for equality.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -406,6 +460,15 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// (`chunks/`, `envs/`, `chains/`): a blob the s3 backend published as a link to its
     /// upload lists with the link's size, 0; `stat` gives a blob's.
     async fn list_sizes(&self, prefix: &str) -> Result<Vec<(ObjectKey, u64)>, StoreError>;
+
+    /// One level of the key tree under `prefix` (ending in `/`): the keys directly
+    /// under it with their sizes as the listing gives them, and the prefixes one level down,
+    /// each in byte order. On S3 one delimited listing (a request per 1,000 entries). For
+    /// walking a large tree many levels at a time ([`walk`]), where a flat listing of a
+    /// million keys is a thousand requests one after another. Records and published objects
+    /// alike (sizes as in [`list_sizes`](Self::list_sizes)); staged objects never: a prefix
+    /// that fails [`level_prefix_ok`] lists nothing.
+    async fn list_level(&self, prefix: &str) -> Result<Level, StoreError>;
 
     /// A record's value and version, or `None` when it does not exist.
     async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError>;

@@ -51,7 +51,7 @@ use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 
-use super::{ByteStream, ObjectKey, ObjectStore, Observer, RecordKey, StoreError, Version};
+use super::{ByteStream, Level, ObjectKey, ObjectStore, Observer, RecordKey, StoreError, Version};
 
 /// Bytes per multipart part (S3's minimum is 5 MiB, except for the last part).
 const PART_BYTES: usize = 8 << 20;
@@ -1064,6 +1064,40 @@ impl ObjectStore for S3Store {
             .into_iter()
             .map(|(k, n)| (ObjectKey(k[self.prefix.len()..].to_string()), n))
             .collect())
+    }
+
+    async fn list_level(&self, prefix: &str) -> Result<Level, StoreError> {
+        // `data/` holds staged first segments (and the bytes of blobs linked to them).
+        if !super::level_prefix_ok(prefix) || prefix.starts_with(DATA) {
+            return Ok(Level::default());
+        }
+        let full = format!("{}{prefix}", self.prefix);
+        let mut pages = self
+            .client
+            .list_objects_v2()
+            .bucket(&self.bucket)
+            .prefix(&full)
+            .delimiter("/")
+            .into_paginator()
+            .send();
+        let mut level = Level::default();
+        let ours = |k: &str| k.get(self.prefix.len()..).map(str::to_string);
+        while let Some(page) = pages.next().await {
+            let page = page.map_err(|e| io_err(format!("listing {full}"), e))?;
+            for o in page.contents() {
+                if let Some(k) = o.key().and_then(ours) {
+                    level.keys.push((k, o.size().unwrap_or(0) as u64));
+                }
+            }
+            for p in page.common_prefixes() {
+                if let Some(p) = p.prefix().and_then(ours) {
+                    level.prefixes.push(p);
+                }
+            }
+        }
+        level.keys.sort();
+        level.prefixes.sort();
+        Ok(level)
     }
 
     async fn presign_get(

@@ -31,6 +31,7 @@ pub async fn run(store: &dyn ObjectStore) {
     concurrent_publish_of_same_content(store).await;
     records_are_compare_and_swap(store).await;
     records_list_in_pages(store).await;
+    levels_list_one_level_and_walk_the_tree(store).await;
 }
 
 async fn records_list_in_pages(store: &dyn ObjectStore) {
@@ -433,4 +434,81 @@ async fn concurrent_publish_of_same_content(store: &dyn ObjectStore) {
     assert_eq!(&store.read_all(&key).await.unwrap()[..], data);
     let left = store.list_staged().await.unwrap();
     assert!(ids.iter().all(|id| !left.contains(id)));
+}
+
+/// `list_level` gives the keys (with sizes) and the prefixes directly under a prefix;
+/// `walk` finds every key under a root, skipping the prefixes it is told to; prefixes of
+/// staged objects, or not ending in `/`, list nothing.
+async fn levels_list_one_level_and_walk_the_tree(store: &dyn ObjectStore) {
+    use super::{Level, RecordKey};
+    for (k, v) in [
+        ("_records/lvl/a", "1"),
+        ("_records/lvl/b/c", "22"),
+        ("_records/lvl/b/d/e", "333"),
+        ("_records/lvl/f", "4444"),
+    ] {
+        let key = RecordKey::parse(k).unwrap();
+        store
+            .put_record(&key, Bytes::from_static(v.as_bytes()), None)
+            .await
+            .unwrap()
+            .expect("created");
+    }
+    let level = |p: &'static str| async move { store.list_level(p).await.unwrap() };
+    let owned = |keys: &[(&str, u64)]| keys.iter().map(|(k, n)| (k.to_string(), *n)).collect();
+    assert_eq!(
+        level("_records/lvl/").await,
+        Level {
+            keys: owned(&[("_records/lvl/a", 1), ("_records/lvl/f", 4)]),
+            prefixes: vec!["_records/lvl/b/".to_string()],
+        }
+    );
+    assert_eq!(
+        level("_records/lvl/b/").await,
+        Level {
+            keys: owned(&[("_records/lvl/b/c", 2)]),
+            prefixes: vec!["_records/lvl/b/d/".to_string()],
+        }
+    );
+    for nothing in [
+        "_records/none/",
+        "_records/lvl",
+        "_staging/",
+        "_records/../",
+        "_records//",
+    ] {
+        assert_eq!(level(nothing).await, Level::default(), "{nothing}");
+    }
+    let chunk = ObjectKey::chunk(&amber_oci::env::ChunkId::of(b"a chunk in a level"));
+    store
+        .put(&chunk, Bytes::from_static(b"leveled"))
+        .await
+        .unwrap();
+
+    let walked = |root: &'static str, skip: &'static str| async move {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+        let walk = super::walk(store, root, |p| p != skip, 3, tx);
+        let read = async {
+            let mut all = Vec::new();
+            while let Some(batch) = rx.recv().await {
+                all.extend(batch);
+            }
+            all
+        };
+        let (walked, mut all) = futures_util::join!(walk, read);
+        walked.unwrap();
+        all.sort();
+        all
+    };
+    assert_eq!(
+        walked("_records/lvl/", "_records/lvl/b/d/").await,
+        owned(&[
+            ("_records/lvl/a", 1),
+            ("_records/lvl/b/c", 2),
+            ("_records/lvl/f", 4)
+        ])
+    );
+    assert!(walked("chunks/", "")
+        .await
+        .contains(&(chunk.as_str().to_string(), 7)));
 }
