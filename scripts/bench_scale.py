@@ -355,8 +355,9 @@ def bucket_section(res):
            "on local disk, whose store was then linked into the bucket's directory of s3s-fs (an S3-compatible "
            "server with data on this machine's disk, over loopback): the fs and S3 stores name every object and "
            "record alike, and the ingest through s3s-fs runs at a few images per second here."),
-        "Then a new replica, an empty data directory over the same bucket, runs `amber-registry reindex`: it lists",
-        "the records and chunks and reads each record (64 at a time).",
+        "Then a new replica, an empty data directory over the same bucket, runs `amber-registry reindex`: it walks",
+        "the bucket's key tree level by level (a delimited listing per repository and kind of record, per chunk",
+        "fan-out directory, 32 at a time) while reading the records found (64 at a time).",
         "",
         f"| images | ingest on {res['seed']} (images/s) | objects in the bucket (per image) | reindex (s) | reindex (images/s) | S3 requests of the reindex (per image) |",
         "|---|---|---|---|---|---|",
