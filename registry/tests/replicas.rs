@@ -165,9 +165,17 @@ async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
     let a = replica(da.path(), &prefix);
     assert_eq!(tag_of(&a, "team/app", "latest").await, wa);
 
+    // A repository whose name extends another's: the reindex's walk finds it inside
+    // team/app's part of the bucket.
+    let m = image_manifest(&a, "team/app/web", "nested", "").await;
+    let r = put_manifest(&a, "team/app/web", "v1", OCI, &m).await;
+    assert_eq!(r.status(), 201);
+
     // reindex: a fresh data dir over the same bucket answers every query as B does.
     let queries = vec![
         ("/v2/_catalog".to_string(), "*/*"),
+        ("/v2/team/app/web/tags/list".to_string(), "*/*"),
+        ("/v2/team/app/web/manifests/v1".to_string(), OCI),
         ("/v2/team/app/tags/list".to_string(), "*/*"),
         ("/v2/team/app/manifests/v1".to_string(), OCI),
         ("/v2/team/app/manifests/latest".to_string(), OCI),
@@ -184,10 +192,15 @@ async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
         before.push(get(&b, q, accept).await);
     }
     let text = |i: usize| String::from_utf8_lossy(&before[i].2).into_owned();
-    assert_eq!(text(0), r#"{"repositories":["team/app","team/other"]}"#);
-    assert_eq!(text(1), r#"{"name":"team/app","tags":["latest","v1"]}"#);
-    assert!(text(7).contains(&sha256(art.as_bytes())), "{}", text(7));
-    assert!(text(8).contains(r#""state":"failed""#), "{}", text(8));
+    assert_eq!(
+        text(0),
+        r#"{"repositories":["team/app","team/app/web","team/other"]}"#
+    );
+    assert_eq!(text(1), r#"{"name":"team/app/web","tags":["v1"]}"#);
+    assert_eq!(before[2].0, 200);
+    assert_eq!(text(3), r#"{"name":"team/app","tags":["latest","v1"]}"#);
+    assert!(text(9).contains(&sha256(art.as_bytes())), "{}", text(9));
+    assert!(text(10).contains(r#""state":"failed""#), "{}", text(10));
     let dc = tempfile::tempdir().unwrap();
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_amber-registry"));
     cmd.arg("reindex")
