@@ -93,11 +93,17 @@ fn tune_allocator() {
 
 fn main() -> std::process::ExitCode {
     tune_allocator();
-    tokio::runtime::Builder::new_multi_thread()
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .expect("starting the tokio runtime")
-        .block_on(async_main())
+        .expect("starting the tokio runtime");
+    let code = runtime.block_on(async_main());
+    // Conversions run on blocking threads and may be mid-way when `serve` returns (the
+    // HTTP requests are drained by then). Dropping the runtime would wait for them while
+    // their calls into it fail ("being shutdown" panics). Their work items are durable,
+    // so leave them: this replica resumes them at start, another when the lease runs out.
+    runtime.shutdown_background();
+    code
 }
 
 async fn async_main() -> std::process::ExitCode {

@@ -217,7 +217,7 @@ async fn walk(
         Ok(out)
     })
     .await
-    .expect("list task")
+    .map_err(not_finished)?
 }
 
 impl FsStore {
@@ -291,7 +291,7 @@ impl FsStore {
             Ok(f)
         })
         .await
-        .expect("open task")
+        .map_err(not_finished)?
     }
 
     /// Links complete file `src` to `dst` (no replace), then makes the link durable.
@@ -308,7 +308,7 @@ impl FsStore {
         let dir = dir.to_path_buf();
         tokio::task::spawn_blocking(move || std::fs::File::open(&dir)?.sync_all())
             .await
-            .expect("fsync task")
+            .map_err(not_finished)?
             .map_err(|e| StoreError::io("fsync of object directory", e))
     }
 }
@@ -337,7 +337,7 @@ async fn read_whole(path: PathBuf) -> io::Result<Vec<u8>> {
     } else {
         tokio::task::spawn_blocking(move || read(&mut f))
             .await
-            .expect("read task")
+            .map_err(|e| io::Error::other(not_finished(e)))?
     }
 }
 
@@ -381,7 +381,7 @@ impl ObjectStore for FsStore {
             Ok(f)
         })
         .await
-        .expect("open task")?;
+        .map_err(not_finished)??;
         Ok(stream_published(file, range))
     }
 
@@ -409,7 +409,7 @@ impl ObjectStore for FsStore {
             f.sync_all()
         })
         .await
-        .expect("write task")
+        .map_err(not_finished)?
         .map_err(|e| StoreError::io(format!("temporary object for {}", key.as_str()), e))?;
         let res = self.link_durably(&tmp, &dst).await;
         let _ = tokio::fs::remove_file(&tmp).await;
@@ -487,7 +487,7 @@ impl ObjectStore for FsStore {
             }
         }
         drop(tx);
-        let written = writer.await.expect("writer task")?;
+        let written = writer.await.map_err(not_finished)??;
         match body_error {
             Some(e) => Err(StoreError::Body(e)),
             None => Ok(written),
@@ -621,7 +621,7 @@ impl ObjectStore for FsStore {
             Ok(level)
         })
         .await
-        .expect("listing task")
+        .map_err(not_finished)?
     }
 
     async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError> {
@@ -664,7 +664,7 @@ impl ObjectStore for FsStore {
             std::fs::File::open(dir)?.sync_all()
         })
         .await
-        .expect("record task")
+        .map_err(not_finished)?
         .map_err(|e| StoreError::io(what, e))?;
         Ok(Some(version))
     }
@@ -683,7 +683,7 @@ impl ObjectStore for FsStore {
             }
         })
         .await
-        .expect("record task")
+        .map_err(not_finished)?
         .map_err(|e| StoreError::io(what, e))
     }
 
@@ -698,6 +698,21 @@ impl ObjectStore for FsStore {
             .collect();
         keys.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         Ok(keys)
+    }
+}
+
+/// A blocking task that did not finish: a panic goes on unwinding; a task the runtime
+/// cancelled (it is shutting down) fails the operation instead of panicking here.
+fn not_finished(e: tokio::task::JoinError) -> StoreError {
+    match e.try_into_panic() {
+        Ok(panic) => std::panic::resume_unwind(panic),
+        Err(e) => StoreError::io(
+            "a blocking store task".to_string(),
+            io::Error::new(
+                io::ErrorKind::Interrupted,
+                format!("not run: {e} (shutting down)"),
+            ),
+        ),
     }
 }
 
