@@ -181,43 +181,62 @@ async fn walk(
     sizes: bool,
 ) -> Result<Vec<(String, u64)>, StoreError> {
     tokio::task::spawn_blocking(move || {
-        let top = match prefix.rfind('/') {
-            Some(i) => root.join(&prefix[..i]),
-            None => root.clone(),
-        };
+        let top = prefix.rfind('/').map_or("", |i| &prefix[..=i]);
         let mut out = Vec::new();
-        let mut stack = vec![top];
+        let mut stack = vec![top.to_string()];
         while let Some(dir) = stack.pop() {
-            let rd = match std::fs::read_dir(&dir) {
-                Ok(rd) => rd,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(StoreError::io(dir.display().to_string(), e)),
-            };
-            for e in rd {
-                let e = e.map_err(|e| StoreError::io(dir.display().to_string(), e))?;
-                let p = e.path();
-                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                    stack.push(p);
-                } else if let Ok(rel) = p.strip_prefix(&root) {
-                    let rel = rel.to_string_lossy().to_string();
-                    if rel.starts_with(&prefix) {
-                        let size = match e.metadata() {
-                            _ if !sizes => 0,
-                            Ok(m) => m.len(),
-                            // Gone since the directory was read (a temporary name).
-                            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                            Err(e) => return Err(StoreError::io(rel, e)),
-                        };
-                        out.push((rel, size));
-                    }
-                }
-            }
+            let level = read_level(&root, &dir, sizes)?;
+            stack.extend(
+                (level.prefixes.into_iter())
+                    .filter(|p| p.starts_with(&prefix) || prefix.starts_with(p.as_str())),
+            );
+            out.extend(
+                level
+                    .keys
+                    .into_iter()
+                    .filter(|(k, _)| k.starts_with(&prefix)),
+            );
         }
         out.sort();
         Ok(out)
     })
     .await
     .map_err(not_finished)?
+}
+
+/// The files (with their sizes when `sizes`, 0 otherwise: no stat per file) and
+/// directories directly in directory `dir` of `root` (`dir` empty, or ending in `/`),
+/// named relative to `root`, in byte order; nothing when `dir` does not exist. Blocking.
+fn read_level(root: &Path, dir: &str, sizes: bool) -> Result<Level, StoreError> {
+    let path = root.join(dir);
+    let what = || path.display().to_string();
+    let mut level = Level::default();
+    let rd = match std::fs::read_dir(&path) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(level),
+        Err(e) => return Err(StoreError::io(what(), e)),
+    };
+    for e in rd {
+        let e = e.map_err(|e| StoreError::io(what(), e))?;
+        let Some(name) = e.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+            level.prefixes.push(format!("{dir}{name}/"));
+            continue;
+        }
+        let size = match e.metadata() {
+            _ if !sizes => 0,
+            Ok(m) => m.len(),
+            // Gone since the directory was read (a temporary name).
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(StoreError::io(what(), e)),
+        };
+        level.keys.push((format!("{dir}{name}"), size));
+    }
+    level.keys.sort();
+    level.prefixes.sort();
+    Ok(level)
 }
 
 impl FsStore {
@@ -590,38 +609,10 @@ impl ObjectStore for FsStore {
         if !super::level_prefix_ok(prefix) {
             return Ok(Level::default());
         }
-        let dir = self.root.join(prefix);
-        let prefix = prefix.to_string();
-        tokio::task::spawn_blocking(move || {
-            let what = || dir.display().to_string();
-            let mut level = Level::default();
-            let rd = match std::fs::read_dir(&dir) {
-                Ok(rd) => rd,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(level),
-                Err(e) => return Err(StoreError::io(what(), e)),
-            };
-            for e in rd {
-                let e = e.map_err(|e| StoreError::io(what(), e))?;
-                let Some(name) = e.file_name().to_str().map(str::to_string) else {
-                    continue;
-                };
-                if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-                    level.prefixes.push(format!("{prefix}{name}/"));
-                    continue;
-                }
-                match e.metadata() {
-                    Ok(m) => level.keys.push((format!("{prefix}{name}"), m.len())),
-                    // Gone since the directory was read.
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                    Err(e) => return Err(StoreError::io(what(), e)),
-                }
-            }
-            level.keys.sort();
-            level.prefixes.sort();
-            Ok(level)
-        })
-        .await
-        .map_err(not_finished)?
+        let (root, prefix) = (self.root.clone(), prefix.to_string());
+        tokio::task::spawn_blocking(move || read_level(&root, &prefix, true))
+            .await
+            .map_err(not_finished)?
     }
 
     async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError> {

@@ -243,11 +243,10 @@ pub fn level_prefix_ok(prefix: &str) -> bool {
     let Some(body) = prefix.strip_suffix('/') else {
         return false;
     };
-    let first = body.split('/').next().unwrap_or("");
+    let mut parts = body.split('/').peekable();
+    let first = parts.peek().copied().unwrap_or("");
     (first == "_records" || !first.starts_with('_'))
-        && body
-            .split('/')
-            .all(|p| !p.is_empty() && p != "." && p != "..")
+        && parts.all(|p| !p.is_empty() && p != "." && p != "..")
 }
 
 /// Lists every key under `root` by walking its levels ([`ObjectStore::list_level`]),

@@ -390,24 +390,37 @@ impl S3Store {
 
     /// Every object under `prefix` as (key, size), in key order.
     async fn list_keys(&self, prefix: &str) -> Result<Vec<(String, u64)>, StoreError> {
-        let mut out = Vec::new();
+        Ok(self.list_pages(prefix, false).await?.keys)
+    }
+
+    /// Every page of a listing of full prefix `prefix`: with `delimited`, one level (the
+    /// objects directly under it and the prefixes one level down), otherwise every object
+    /// under it. Full keys, each list in byte order.
+    async fn list_pages(&self, prefix: &str, delimited: bool) -> Result<Level, StoreError> {
         let mut pages = self
             .client
             .list_objects_v2()
             .bucket(&self.bucket)
             .prefix(prefix)
+            .set_delimiter(delimited.then(|| "/".to_string()))
             .into_paginator()
             .send();
+        let mut level = Level::default();
         while let Some(page) = pages.next().await {
             let page = page.map_err(|e| io_err(format!("listing {prefix}"), e))?;
             for o in page.contents() {
                 if let Some(k) = o.key() {
-                    out.push((k.to_string(), o.size().unwrap_or(0) as u64));
+                    level
+                        .keys
+                        .push((k.to_string(), o.size().unwrap_or(0) as u64));
                 }
             }
+            let prefixes = page.common_prefixes().iter().filter_map(|p| p.prefix());
+            level.prefixes.extend(prefixes.map(str::to_string));
         }
-        out.sort();
-        Ok(out)
+        level.keys.sort();
+        level.prefixes.sort();
+        Ok(level)
     }
 
     /// The segments of staged object `id`, in order; empty when it does not exist. (A
@@ -1071,33 +1084,22 @@ impl ObjectStore for S3Store {
         if !super::level_prefix_ok(prefix) || prefix.starts_with(DATA) {
             return Ok(Level::default());
         }
-        let full = format!("{}{prefix}", self.prefix);
-        let mut pages = self
-            .client
-            .list_objects_v2()
-            .bucket(&self.bucket)
-            .prefix(&full)
-            .delimiter("/")
-            .into_paginator()
-            .send();
-        let mut level = Level::default();
-        let ours = |k: &str| k.get(self.prefix.len()..).map(str::to_string);
-        while let Some(page) = pages.next().await {
-            let page = page.map_err(|e| io_err(format!("listing {full}"), e))?;
-            for o in page.contents() {
-                if let Some(k) = o.key().and_then(ours) {
-                    level.keys.push((k, o.size().unwrap_or(0) as u64));
-                }
-            }
-            for p in page.common_prefixes() {
-                if let Some(p) = p.prefix().and_then(ours) {
-                    level.prefixes.push(p);
-                }
-            }
-        }
-        level.keys.sort();
-        level.prefixes.sort();
-        Ok(level)
+        let full = self
+            .list_pages(&format!("{}{prefix}", self.prefix), true)
+            .await?;
+        let n = self.prefix.len();
+        Ok(Level {
+            keys: full
+                .keys
+                .into_iter()
+                .map(|(k, size)| (k[n..].to_string(), size))
+                .collect(),
+            prefixes: full
+                .prefixes
+                .into_iter()
+                .map(|p| p[n..].to_string())
+                .collect(),
+        })
     }
 
     async fn presign_get(
