@@ -25,7 +25,7 @@ use tokio_util::io::{StreamReader, SyncIoBridge};
 
 use crate::index::{ManifestRecord, ManifestWrite};
 use crate::registry::Registry;
-use crate::store::{ObjectKey, ObjectStore};
+use crate::store::ObjectKey;
 use amber_oci::digest::{Algorithm, Digest};
 use amber_oci::names::RepoName;
 
@@ -89,16 +89,43 @@ pub const CONVERT_LAYERS_REUSED: &str = "amber_conversion_layers_reused_total";
 
 /// A blocking reader over a stored object.
 fn object_reader(
-    store: &Arc<dyn ObjectStore>,
+    reg: &Arc<Registry>,
     handle: &Handle,
     key: ObjectKey,
     size: u64,
 ) -> anyhow::Result<impl Read> {
-    let stream = handle.block_on(crate::recipe::read_object(store, &key, 0..size))?;
-    Ok(SyncIoBridge::new_with_handle(
-        StreamReader::new(stream),
-        handle.clone(),
-    ))
+    let stream = handle.block_on(crate::recipe::read_object(&reg.store, &key, 0..size))?;
+    Ok(UntilStopped {
+        inner: SyncIoBridge::new_with_handle(StreamReader::new(stream), handle.clone()),
+        stopping: reg.stopping.clone(),
+    })
+}
+
+/// What a conversion's reads and chunk writes fail with once the server is stopping:
+/// the conversion ends without an outcome, and its work item stays queued.
+#[derive(Debug, thiserror::Error)]
+#[error("the registry is stopping")]
+pub struct Stopping;
+
+/// The error a read or chunk write gives when the server is stopping.
+fn stopping_error() -> io::Error {
+    io::Error::other(Stopping)
+}
+
+/// A layer reader that fails with `Stopping` once the server stops, so a conversion ends
+/// within one read of a SIGTERM instead of holding the process.
+struct UntilStopped<R> {
+    inner: R,
+    stopping: tokio_util::sync::CancellationToken,
+}
+
+impl<R: Read> Read for UntilStopped<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.stopping.is_cancelled() {
+            return Err(stopping_error());
+        }
+        self.inner.read(buf)
+    }
 }
 
 /// Stores one chunk, zstd-compressed, unless the store has it. The index answers for
@@ -106,6 +133,9 @@ fn object_reader(
 /// so a chunk that exists costs no write and a new one two requests.
 /// Returns the compressed bytes written (0 for a chunk the store had).
 fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io::Result<u64> {
+    if reg.stopping.is_cancelled() {
+        return Err(stopping_error());
+    }
     if chunk_stored(reg, handle, &id)? {
         metrics::counter!(CHUNKS_EXISTING).increment(1);
         return Ok(0);
@@ -431,7 +461,7 @@ fn keep_as_recipe(
         if handle.block_on(reg.store.stat(&blob))?.is_none() {
             return Ok(None); // a recipe already, or another replica's doing
         }
-        let reader = object_reader(&reg.store, handle, blob.clone(), layer.size)?;
+        let reader = object_reader(reg, handle, blob.clone(), layer.size)?;
         let mut has_chunk = |id: &ChunkId| chunk_stored(reg, handle, id);
         let Some(planned) = crate::recipe::plan(d, reader, packed, &mut has_chunk)? else {
             return Ok(None);
@@ -472,7 +502,7 @@ fn convert_layers(
         inputs.push(LayerInput {
             name: l.digest.to_string(),
             reader: Box::new(object_reader(
-                &reg.store,
+                reg,
                 handle,
                 ObjectKey::blob(&l.digest),
                 l.size,

@@ -218,8 +218,9 @@ pub fn start(reg: &Arc<Registry>) -> anyhow::Result<()> {
         .filter(|(_, c)| matches!(c.state, ConversionState::Queued | ConversionState::Running))
         .map(|(d, c)| (d, c.repo))
         .collect();
-    let reg = reg.clone();
-    tokio::spawn(async move {
+    let task_reg = reg.clone();
+    reg.spawn_background(async move {
+        let reg = task_reg;
         for (image, repo) in legacy {
             if reg.conversion_work(&image).await.ok().flatten().is_some() {
                 continue;
@@ -305,14 +306,19 @@ fn run_here(reg: &Arc<Registry>, image: Digest) -> bool {
     }
 }
 
-/// A worker: converts `image`, then each lined-up image in turn until none is left.
+/// A worker: converts `image`, then each lined-up image in turn until none is left or
+/// the server stops. Tracked but not cancelled at an await (`Registry::background`): a
+/// conversion runs on a blocking thread, and it ends by itself at shutdown.
 fn spawn_worker(reg: &Arc<Registry>, image: Digest) {
-    let reg = reg.clone();
-    tokio::spawn(async move {
+    let task_reg = reg.clone();
+    reg.background.spawn(async move {
+        let reg = task_reg;
         let mut image = image;
         loop {
-            if let Err(e) = claim_and_convert(&reg, &image).await {
-                tracing::warn!(%image, error = %format!("{e:#}"), "conversion could not be run");
+            if !reg.stopping.is_cancelled() {
+                if let Err(e) = claim_and_convert(&reg, &image).await {
+                    tracing::warn!(%image, error = %format!("{e:#}"), "conversion could not be run");
+                }
             }
             match reg.next_conversion(&image) {
                 Some(next) => image = next,
@@ -380,6 +386,13 @@ async fn claim_and_convert(reg: &Arc<Registry>, image: &Digest) -> anyhow::Resul
             .await
             .unwrap_or_else(|e| Err(anyhow::anyhow!("conversion task panicked: {e}")));
     renewal.abort();
+    if result.is_err() && reg.stopping.is_cancelled() {
+        // Cut short by the shutdown (`convert::Stopping`), or failed while it began: no
+        // outcome either way. The item stays with this replica's id: a restart takes it
+        // back at once, another replica when the lease runs out.
+        tracing::info!(%image, "conversion stopped by the shutdown; its work item stays queued");
+        return Ok(());
+    }
 
     c.updated_unix = now_unix();
     match result {

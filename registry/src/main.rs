@@ -98,11 +98,21 @@ fn main() -> std::process::ExitCode {
         .build()
         .expect("starting the tokio runtime");
     let code = runtime.block_on(async_main());
-    // Conversions run on blocking threads and may be mid-way when `serve` returns (the
-    // HTTP requests are drained by then). Dropping the runtime would wait for them while
-    // their calls into it fail ("being shutdown" panics). Their work items are durable,
-    // so leave them: this replica resumes them at start, another when the lease runs out.
-    runtime.shutdown_background();
+    // `serve` has stopped the background work (conversions end at their next read or
+    // chunk write); what is left are tasks of no consequence, dropped here.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    if amber_registry::index::Index::open_count() > 0 {
+        // A blocking task still holds the index: `exit` would run RocksDB's static
+        // destructors under it. What it wrote is in the OS already (the write-ahead log
+        // is written on every write); end without the destructors.
+        eprintln!(
+            "amber-registry: a background task did not stop; exiting without closing the index"
+        );
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        // SAFETY: `_exit` ends the process at once; nothing after it runs.
+        unsafe { libc::_exit(1) }
+    }
     code
 }
 

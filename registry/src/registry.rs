@@ -61,6 +61,12 @@ pub struct Registry {
     pub replica_id: String,
     /// The conversions this process runs or has lined up (`convert_queue`).
     converting: Mutex<LocalConversions>,
+    /// Cancelled when the server stops: background loops end, conversions stop at their
+    /// next read or chunk write (their work items stay for a restart or another replica).
+    pub stopping: tokio_util::sync::CancellationToken,
+    /// The background tasks (conversion workers, sweeps) `stop_background` waits for, so
+    /// none of them holds the index when the process ends.
+    pub background: tokio_util::task::TaskTracker,
 }
 
 /// This process's share of the conversion queue: the images its workers are converting
@@ -99,7 +105,33 @@ impl Registry {
             auth: None,
             replica_id: uuid::Uuid::new_v4().to_string(),
             converting: Mutex::new(LocalConversions::default()),
+            stopping: tokio_util::sync::CancellationToken::new(),
+            background: tokio_util::task::TaskTracker::new(),
         }
+    }
+
+    /// Runs `task` in the background until it ends or the server stops (it is dropped at
+    /// its next await then): for loops whose every step may be cut short.
+    pub fn spawn_background<F>(&self, task: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.background
+            .spawn(self.stopping.clone().run_until_cancelled_owned(task));
+    }
+
+    /// Stops the background work: cancels `stopping` and waits up to `grace` for the
+    /// tracked tasks to end. Returns how many had not ended by then.
+    pub async fn stop_background(&self, grace: Duration) -> usize {
+        self.stopping.cancel();
+        self.background.close();
+        if tokio::time::timeout(grace, self.background.wait())
+            .await
+            .is_err()
+        {
+            return self.background.len();
+        }
+        0
     }
 
     /// Takes `image` into this process's conversions: to start now if fewer than

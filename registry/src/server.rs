@@ -28,7 +28,7 @@ pub async fn serve(reg: Arc<Registry>, listener: TcpListener) -> anyhow::Result<
     crate::convert_queue::start(&reg).context("starting the conversion queue")?;
     crate::envs::start(&reg);
     let expiry = reg.clone();
-    tokio::spawn(async move {
+    reg.spawn_background(async move {
         let every = Duration::from_secs((expiry.config.upload_ttl_secs / 4).clamp(1, 600));
         let mut tick = tokio::time::interval(every);
         loop {
@@ -45,8 +45,20 @@ pub async fn serve(reg: Arc<Registry>, listener: TcpListener) -> anyhow::Result<
         header: Duration::from_secs(reg.config.header_timeout_secs),
         idle: Duration::from_secs(reg.config.idle_timeout_secs),
     };
-    serve_http(listener, crate::api::router(reg), limits).await
+    let served = serve_http(listener, crate::api::router(reg.clone()), limits).await;
+    // Conversions stop at their next read or chunk write; their work items stay.
+    let left = reg.stop_background(STOP_GRACE).await;
+    if left > 0 {
+        tracing::warn!(
+            tasks = left,
+            "background tasks still running at exit; their work items stay queued"
+        );
+    }
+    served
 }
+
+/// How long the background tasks get to end once the HTTP requests are drained.
+const STOP_GRACE: Duration = Duration::from_secs(20);
 
 /// Per-connection limits: a slow client cannot hold the server.
 struct ConnLimits {

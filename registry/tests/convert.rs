@@ -514,6 +514,58 @@ async fn queued_conversions_resume_after_a_restart_and_done_ones_never_rerun() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigterm_mid_conversion_exits_cleanly_and_the_restart_converts_everything() {
+    let tmp = tempfile::tempdir().unwrap();
+    let workers = ["--convert-workers", "1"];
+    let mut s = Server::start_in(tmp.path(), &workers);
+    // An image whose conversion takes seconds (96 MiB of file data no compressor shrinks,
+    // as an uncompressed layer), and one lined up behind it.
+    let big = Layer::new()
+        .file("data/big.bin", 0o644, &incompressible(96 << 20, 21))
+        .tar();
+    push_image(&s, "conv/stop", "big", &[(big, TAR)]).await;
+    let mut seen = Vec::new();
+    loop {
+        let v: Value = get_json(&s, "/amber/v1/resolve/conv/stop/big").await;
+        if seen.last() != Some(&v["state"]) {
+            seen.push(v["state"].clone());
+        }
+        if v["state"] == "running" {
+            break;
+        }
+        assert_eq!(v["state"], "queued", "went {seen:?} before the SIGTERM");
+        tokio::task::yield_now().await;
+    }
+    let small: Vec<LayerBlob> = layers().into_iter().map(|t| (t, TAR)).collect();
+    push_image(&s, "conv/stop", "small", &small).await;
+
+    let status = s.terminate();
+    let log = s.log();
+    assert!(status.success(), "exit {status} at SIGTERM; log:\n{log}");
+    assert!(!log.contains("panicked"), "a panic at SIGTERM; log:\n{log}");
+    assert!(
+        log.contains("conversion stopped by the shutdown"),
+        "the running conversion was not stopped; log:\n{log}"
+    );
+    assert!(
+        !log.contains("conversion failed"),
+        "a stopped conversion is not a failure; log:\n{log}"
+    );
+
+    // The restart takes both back (the running one's item is this replica's own).
+    let s = Server::start_in(tmp.path(), &workers);
+    for tag in ["big", "small"] {
+        let v = settled(&s, "conv/stop", tag).await;
+        assert_eq!(v["state"], "done", "{tag}: {v}");
+        let env = v["env_digest"].as_str().unwrap();
+        let _: Value = get_json(&s, &format!("/amber/v1/envs/{env}")).await;
+    }
+    let metrics = metrics_text(&s).await;
+    assert_eq!(metric(&metrics, "amber_conversions_failed_total"), 0);
+    assert_eq!(metric(&metrics, "amber_conversions_started_total"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hostile_layer_fails_its_conversion_with_a_clear_error() {
     let s = Server::start(&[]);
     let mut h = tar::Header::new_old();

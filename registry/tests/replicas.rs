@@ -226,21 +226,6 @@ async fn replicas_over_one_bucket_agree_and_reindex_rebuilds_the_index() {
     drop(a);
 }
 
-/// `n` bytes that no compressor can shrink (splitmix64), so converting them takes a while.
-fn incompressible(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed;
-    let mut out = Vec::with_capacity(n + 8);
-    while out.len() < n {
-        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = x;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
-    }
-    out.truncate(n);
-    out
-}
-
 async fn resolve(s: &Server, repo: &str, reference: &str) -> Value {
     get_json(s, &format!("/amber/v1/resolve/{repo}/{reference}")).await
 }

@@ -152,6 +152,21 @@ impl Registry {
         self.child.id()
     }
 
+    /// SIGTERM, as a service manager stops it; returns the exit status once the process
+    /// has ended (it drains requests and stops its conversions first).
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid");
+        // SAFETY: signals our own child process, which has not been waited for yet.
+        let sent = unsafe { libc::kill(pid, libc::SIGTERM) };
+        assert_eq!(sent, 0, "SIGTERM to amber-registry {pid}");
+        self.child.wait().expect("waiting for amber-registry")
+    }
+
+    /// What the process wrote to its log (every start on this data directory).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.data.join("registry.log")).unwrap_or_default()
+    }
+
     /// SIGKILL, as a crash would.
     pub fn kill9(&mut self) {
         let _ = self.child.kill();

@@ -75,6 +75,22 @@ pub fn run(cmd: &mut Command) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// `n` bytes that no compressor can shrink (splitmix64 from `seed`), so converting them
+/// takes a while.
+pub fn incompressible(n: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed;
+    let mut out = Vec::with_capacity(n + 8);
+    while out.len() < n {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    out.truncate(n);
+    out
+}
+
 pub fn sha256(data: &[u8]) -> String {
     format!("sha256:{}", hex::encode(sha2::Sha256::digest(data)))
 }

@@ -128,6 +128,9 @@ pub struct ManifestWrite<'a> {
     pub referrer: Option<(&'a Digest, serde_json::Value)>,
 }
 
+/// Indexes open in this process (see `Index::open_count`).
+static OPEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 pub struct Index {
     db: DB,
     tag_lock: Mutex<()>,
@@ -190,8 +193,16 @@ impl Index {
             tag_lock: Mutex::new(()),
             stripes: std::array::from_fn(|_| Mutex::new(())),
         };
+        OPEN.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         index.count_once()?;
         Ok(index)
+    }
+
+    /// How many indexes this process has open. A process must not end with one open
+    /// while other threads may still use it: `exit` runs RocksDB's static destructors
+    /// under them (SIGSEGV, or `std::terminate` on a joinable thread).
+    pub fn open_count() -> usize {
+        OPEN.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
@@ -582,6 +593,12 @@ impl Index {
         b.put_cf(self.cf("chunks"), id, stored.to_le_bytes());
         self.db.write(b)?;
         Ok(())
+    }
+}
+
+impl Drop for Index {
+    fn drop(&mut self) {
+        OPEN.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
