@@ -45,8 +45,8 @@ pub fn s3_args(name: &str, prefix: &str) -> Vec<String> {
     ]
 }
 
-/// A running `amber-registry serve`; stopped (SIGKILL) when dropped. Its stderr goes to
-/// `registry.log` in its data directory.
+/// A running `amber-registry serve`; stopped (SIGKILL) when dropped, failing the test if it
+/// panicked meanwhile. Its stderr goes to `registry.log` in its data directory.
 pub struct Registry {
     child: Child,
     pub addr: String,
@@ -268,9 +268,21 @@ impl Registry {
 }
 
 impl Drop for Registry {
+    /// SIGKILL; then, unless the test is failing already, fails it if the registry
+    /// panicked at any time (a panic in a request task answers 500 or drops the
+    /// connection, which a test may not notice).
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            return;
+        }
+        let log = self.log();
+        if let Some(at) = log.find("panicked at") {
+            let from = log[..at].rfind('\n').map_or(0, |n| n + 1);
+            let to = log[at..].find("\n\n").map_or(log.len(), |n| at + n);
+            panic!("amber-registry panicked: {}", &log[from..to]);
+        }
     }
 }
 
