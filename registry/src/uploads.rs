@@ -12,8 +12,18 @@
 //!   version, after the staged bytes up to it are durable; staged bytes past it belong
 //!   to a request that never finished and are cut off before the next append;
 //! - two requests writing one session at once (through two replicas) cannot both be
-//!   acknowledged: the second compare-and-swap fails, and a blob whose bytes were mixed
-//!   is refused by the digest check when the upload completes.
+//!   acknowledged: the second compare-and-swap fails.
+//!
+//! Known gap (S3, two replicas): the staged segment of an append is named by its offset,
+//! so two requests appending different bytes at one offset at once write the same object,
+//! last writer wins, while the compare-and-swap may keep the other one's offset and hash
+//! state. A completion on the winner's replica trusts that hash state, so the blob can be
+//! published with the losing request's bytes under the winner's digest; and a losing PUT
+//! that lands after a single-segment publish (a link to `data/<id>`) changes the blob.
+//! Only clients that send conflicting appends to one session through two replicas can
+//! cause it. The fix: name each append's object per attempt and let the record's
+//! compare-and-swap say which objects are the session's (which also ends the listing of
+//! segments).
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
