@@ -218,9 +218,7 @@ pub fn start(reg: &Arc<Registry>) -> anyhow::Result<()> {
         .filter(|(_, c)| matches!(c.state, ConversionState::Queued | ConversionState::Running))
         .map(|(d, c)| (d, c.repo))
         .collect();
-    let task_reg = reg.clone();
-    reg.spawn_background(async move {
-        let reg = task_reg;
+    reg.spawn_background(move |reg| async move {
         for (image, repo) in legacy {
             if reg.conversion_work(&image).await.ok().flatten().is_some() {
                 continue;
@@ -307,12 +305,10 @@ fn run_here(reg: &Arc<Registry>, image: Digest) -> bool {
 }
 
 /// A worker: converts `image`, then each lined-up image in turn until none is left or
-/// the server stops. Tracked but not cancelled at an await (`Registry::background`): a
-/// conversion runs on a blocking thread, and it ends by itself at shutdown.
+/// the server stops. Tracked but not cancelled at an await (`Registry::spawn_tracked`):
+/// a conversion runs on a blocking thread, and it ends by itself at shutdown.
 fn spawn_worker(reg: &Arc<Registry>, image: Digest) {
-    let task_reg = reg.clone();
-    reg.background.spawn(async move {
-        let reg = task_reg;
+    reg.spawn_tracked(move |reg| async move {
         let mut image = image;
         loop {
             if !reg.stopping.is_cancelled() {

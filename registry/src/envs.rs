@@ -128,9 +128,7 @@ pub fn sample_stored_bytes(reg: &Registry) -> Result<(), EnvError> {
 /// summary of (envs converted before summaries were kept, or by another replica), then
 /// samples the stored bytes once a minute.
 pub fn start(reg: &Arc<Registry>) {
-    let task_reg = reg.clone();
-    reg.spawn_background(async move {
-        let reg = task_reg;
+    reg.spawn_background(|reg| async move {
         let mut after: Option<String> = None;
         loop {
             let (envs, next) = match reg.index.envs_to_note(after.as_deref(), 256) {

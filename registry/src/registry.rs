@@ -110,14 +110,26 @@ impl Registry {
         }
     }
 
-    /// Runs `task` in the background until it ends or the server stops (it is dropped at
-    /// its next await then): for loops whose every step may be cut short.
-    pub fn spawn_background<F>(&self, task: F)
+    /// Runs `task(registry)` as background work that `stop_background` waits for; it ends
+    /// by itself once `stopping` is cancelled (a conversion worker).
+    pub fn spawn_tracked<F, Fut>(self: &Arc<Self>, task: F)
     where
-        F: std::future::Future<Output = ()> + Send + 'static,
+        F: FnOnce(Arc<Registry>) -> Fut,
+        Fut: std::future::Future + Send + 'static,
+        Fut::Output: Send + 'static,
     {
-        self.background
-            .spawn(self.stopping.clone().run_until_cancelled_owned(task));
+        self.background.spawn(task(self.clone()));
+    }
+
+    /// Runs `task(registry)` in the background until it ends or the server stops (it is
+    /// dropped at its next await then): for loops whose every step may be cut short.
+    pub fn spawn_background<F, Fut>(self: &Arc<Self>, task: F)
+    where
+        F: FnOnce(Arc<Registry>) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let stopping = self.stopping.clone();
+        self.spawn_tracked(move |reg| stopping.run_until_cancelled_owned(task(reg)));
     }
 
     /// Stops the background work: cancels `stopping` and waits up to `grace` for the

@@ -27,8 +27,7 @@ pub async fn serve(reg: Arc<Registry>, listener: TcpListener) -> anyhow::Result<
     }
     crate::convert_queue::start(&reg).context("starting the conversion queue")?;
     crate::envs::start(&reg);
-    let expiry = reg.clone();
-    reg.spawn_background(async move {
+    reg.spawn_background(|expiry| async move {
         let every = Duration::from_secs((expiry.config.upload_ttl_secs / 4).clamp(1, 600));
         let mut tick = tokio::time::interval(every);
         loop {
