@@ -186,7 +186,7 @@ pub async fn repair(reg: &Registry, problems: &[Problem]) -> anyhow::Result<Vec<
     let mut removed = Vec::new();
     for p in problems {
         if let Problem::OrphanStaging { id, .. } = p {
-            reg.store.remove_staged(id).await?;
+            reg.store.remove_staged(id, &[]).await?;
             removed.push(format!("staged upload data {id}"));
         }
     }

@@ -12,24 +12,21 @@
 //!   version, after the staged bytes up to it are durable; staged bytes past it belong
 //!   to a request that never finished and are cut off before the next append;
 //! - two requests writing one session at once (through two replicas) cannot both be
-//!   acknowledged: the second compare-and-swap fails.
-//!
-//! Known gap (S3, two replicas): the staged segment of an append is named by its offset,
-//! so two requests appending different bytes at one offset at once write the same object,
-//! last writer wins, while the compare-and-swap may keep the other one's offset and hash
-//! state. A completion on the winner's replica trusts that hash state, so the blob can be
-//! published with the losing request's bytes under the winner's digest; and a losing PUT
-//! that lands after a single-segment publish (a link to `data/<id>`) changes the blob.
-//! Only clients that send conflicting appends to one session through two replicas can
-//! cause it. The fix: name each append's object per attempt and let the record's
-//! compare-and-swap say which objects are the session's (which also ends the listing of
-//! segments).
+//!   acknowledged: the second compare-and-swap fails, and its request drops the segment
+//!   it wrote;
+//! - the record lists the session's acknowledged segments ([`Segment`]), moved by the same
+//!   compare-and-swap as the offset; every read and publish takes them from it. On a
+//!   shared store each append writes an object of its own (`crate::store::s3`), so the
+//!   bytes below the acknowledged offset never change: a running hash kept by the replica
+//!   that acknowledged them (`HashState`, valid while its length is the offset) is the
+//!   hash of what is published, and a request that lost cannot change them, before or
+//!   after the publish.
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::registry::Registry;
-use crate::store::{RecordKey, StoreError, Version};
+use crate::store::{RecordKey, Segment, StoreError, Version};
 
 /// An upload session; its data is the staged object of the same id.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
@@ -40,6 +37,30 @@ pub struct UploadSession {
     pub offset: u64,
     pub created_unix: u64,
     pub updated_unix: u64,
+    /// The acknowledged appends, holding bytes `0..offset` (none while it is 0). A record
+    /// of a registry before segments has none and an offset above 0: its staged bytes are
+    /// not known by name, and the session answers as unknown (the client starts again).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub segments: Vec<Segment>,
+}
+
+impl UploadSession {
+    /// A new session of repository `repo` at time `now`.
+    pub fn new(repo: &str, now: u64) -> UploadSession {
+        UploadSession {
+            repo: repo.to_string(),
+            offset: 0,
+            created_unix: now,
+            updated_unix: now,
+            segments: Vec::new(),
+        }
+    }
+
+    /// Whether its record was written by a registry before segments (bytes staged, none
+    /// named).
+    pub fn unnamed(&self) -> bool {
+        self.offset > 0 && self.segments.is_empty()
+    }
 }
 
 /// The id of an upload session: a UUID the registry made. Anything else names no session.
@@ -114,10 +135,20 @@ impl Registry {
             .ok_or_else(|| UploadError::Moved { id: id.to_string() })
     }
 
-    /// Ends session `id`: its staged data first, then its record.
-    pub async fn drop_upload_session(&self, id: &SessionId) -> Result<(), UploadError> {
+    /// Ends session `id` (its record `s`): its staged data first, then its record.
+    pub async fn drop_upload_session(
+        &self,
+        id: &SessionId,
+        s: &UploadSession,
+    ) -> Result<(), UploadError> {
         let name = id.to_string();
-        self.store.remove_staged(&name).await?;
+        let segments = if s.unnamed() {
+            // A record of before segments: its first segment is the unnamed one.
+            vec![Segment::default()]
+        } else {
+            s.segments.clone()
+        };
+        self.store.remove_staged(&name, &segments).await?;
         self.store.delete_record(&id.record()).await?;
         self.forget_session(&name);
         Ok(())
@@ -168,7 +199,7 @@ impl Registry {
             match self.store.staged_len(&id.to_string()).await? {
                 None if s.offset == 0 => kept += 1,
                 None => {
-                    self.drop_upload_session(&id).await?;
+                    self.drop_upload_session(&id, &s).await?;
                     dropped += 1;
                 }
                 Some(len) if len > s.offset => {
@@ -180,6 +211,7 @@ impl Registry {
                 Some(len) if len < s.offset => {
                     // Cannot happen when the disk honours fsync; keep what is really there.
                     s.offset = len;
+                    s.segments.retain(|seg| seg.start < len);
                     if let Some((_, version)) = self.upload_session(&id).await? {
                         self.put_upload_session(&id, &s, Some(&version)).await?;
                     }
@@ -201,7 +233,7 @@ impl Registry {
                     continue;
                 }
             }
-            self.store.remove_staged(&staged).await?;
+            self.store.remove_staged(&staged, &[]).await?;
             orphans += 1;
         }
         Ok((kept, dropped, orphans))
@@ -218,7 +250,7 @@ impl Registry {
             let Ok(_guard) = lock.try_lock() else {
                 continue; // a request is using it right now: not abandoned
             };
-            self.drop_upload_session(&id).await?;
+            self.drop_upload_session(&id, &s).await?;
             n += 1;
         }
         if n > 0 {
@@ -251,18 +283,17 @@ mod tests {
 
     async fn session(reg: &Registry, updated: u64, data: &'static [u8], acked: u64) -> SessionId {
         let id = SessionId::new();
-        let s = UploadSession {
-            repo: "r".into(),
-            offset: acked,
-            created_unix: updated,
-            updated_unix: updated,
-        };
-        reg.put_upload_session(&id, &s, None).await.unwrap();
+        let mut s = UploadSession::new("r", updated);
+        let v = reg.put_upload_session(&id, &s, None).await.unwrap();
         let body = Box::pin(stream::iter([Ok(bytes::Bytes::from_static(data))]));
-        reg.store
+        let appended = reg
+            .store
             .append_staged(&id.to_string(), 0, body, None, &mut |_| {})
             .await
             .unwrap();
+        s.offset = acked;
+        s.segments = appended.segment.into_iter().collect();
+        reg.put_upload_session(&id, &s, Some(&v)).await.unwrap();
         id
     }
 
@@ -306,10 +337,9 @@ mod tests {
             .unwrap();
         // A session whose data is gone (published just before a crash).
         let gone = UploadSession {
-            repo: "r".into(),
             offset: 9,
-            created_unix: 1,
-            updated_unix: 1,
+            segments: vec![Segment::default()],
+            ..UploadSession::new("r", 1)
         };
         let gone_id = SessionId::new();
         reg.put_upload_session(&gone_id, &gone, None).await.unwrap();
@@ -324,12 +354,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let reg = registry(dir.path(), 3600);
         let id = SessionId::new();
-        let mut s = UploadSession {
-            repo: "r".into(),
-            offset: 0,
-            created_unix: 1,
-            updated_unix: 1,
-        };
+        let mut s = UploadSession::new("r", 1);
         let v0 = reg.put_upload_session(&id, &s, None).await.unwrap();
         s.offset = 10;
         reg.put_upload_session(&id, &s, Some(&v0)).await.unwrap();

@@ -3,7 +3,8 @@
 //! once; eight clients moving one tag through both end with one winner both report; a
 //! replica killed with SIGKILL mid-push loses nothing acknowledged; `reindex` rebuilds an
 //! index that answers every query as the old one did; a replica killed in the middle of a
-//! conversion and of an upload leaves both for the other replica to finish; catalog and
+//! conversion and of an upload leaves both for the other replica to finish; two requests
+//! racing to append at one offset through both never publish the loser's bytes; catalog and
 //! tag-list pages cost one listing request each, and list in name order through the
 //! other replica.
 
@@ -353,6 +354,94 @@ async fn a_replica_killed_mid_conversion_and_mid_upload_leaves_both_to_the_other
             .2,
         blob
     );
+}
+
+/// Two requests appending different bytes at one offset of one session at once, through
+/// two replicas: the one acknowledged first is the upload. The other's bytes land after it
+/// (before the blob is published, and, in a second session, after), its request fails,
+/// and the blob published under the first one's digest holds the first one's bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_appends_through_two_replicas_never_publish_the_losers_bytes() {
+    let prefix = format!("race-{}/", uuid::Uuid::new_v4());
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = replica(da.path(), &prefix);
+    let b = replica(db.path(), &prefix);
+    for (round, lands_after_publish) in [(0u64, false), (1, true)] {
+        let ours = incompressible(256 << 10, 20 + round);
+        let theirs = incompressible(256 << 10, 40 + round);
+        let digest = sha256(&ours);
+        let r = client()
+            .post(a.url("/v2/team/race/blobs/uploads/"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 202);
+        let location = r.headers()["location"].to_str().unwrap().to_string();
+
+        // B's request has read the session (offset 0) and is receiving its body.
+        let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);
+        let loser = tokio::spawn(
+            client()
+                .patch(b.url(&location))
+                .body(reqwest::Body::wrap_stream(tokio_stream_from(rx)))
+                .send(),
+        );
+        tx.send(Ok(theirs[..1024].to_vec())).await.unwrap();
+        while metric(&metrics_text(&b).await, "amber_uploads_in_flight") != 1 {
+            tokio::task::yield_now().await;
+        }
+
+        // A's request at the same offset is acknowledged first.
+        let r = client()
+            .patch(a.url(&location))
+            .header("Content-Range", format!("0-{}", ours.len() - 1))
+            .body(ours.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 202);
+        let sep = if location.contains('?') { '&' } else { '?' };
+        let finish = || {
+            client()
+                .put(a.url(&format!("{location}{sep}digest={digest}")))
+                .send()
+        };
+        if lands_after_publish {
+            assert_eq!(finish().await.unwrap().status(), 201);
+        }
+
+        // B's bytes land now; its request is not acknowledged.
+        tx.send(Ok(theirs[1024..].to_vec())).await.unwrap();
+        drop(tx);
+        let r = loser.await.unwrap().unwrap();
+        let status = r.status();
+        let body = r.text().await.unwrap();
+        assert_eq!(status, 400, "{body}");
+        assert!(
+            body.contains("BLOB_UPLOAD_INVALID") && body.contains("at the same time"),
+            "{body}"
+        );
+
+        if !lands_after_publish {
+            let r = client().get(b.url(&location)).send().await.unwrap();
+            assert_eq!(r.status(), 204);
+            assert_eq!(
+                r.headers()["range"],
+                format!("0-{}", ours.len() - 1).as_str()
+            );
+            // A completes with the running hash it kept of the bytes it acknowledged.
+            let r = finish().await.unwrap();
+            assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
+        }
+        for s in [&a, &b] {
+            let (status, _, got) = get(s, &format!("/v2/team/race/blobs/{digest}"), "*/*").await;
+            assert_eq!(status, 200);
+            assert!(
+                got == ours,
+                "round {round}: the blob holds bytes that are not its digest's"
+            );
+        }
+    }
 }
 
 /// A channel as a request body stream.

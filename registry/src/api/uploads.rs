@@ -128,13 +128,7 @@ pub async fn start(reg: &AppState, name: RepoName, req: Request) -> ApiResult<Re
         }
     }
     let id = SessionId::new();
-    let now = now_unix();
-    let mut session = UploadSession {
-        repo: name.to_string(),
-        offset: 0,
-        created_unix: now,
-        updated_unix: now,
-    };
+    let mut session = UploadSession::new(name.as_str(), now_unix());
     let mut version = reg.put_upload_session(&id, &session, None).await?;
     match digest {
         None => Ok(accepted(&name, &id, 0, StatusCode::ACCEPTED)),
@@ -157,6 +151,9 @@ async fn load(
         return Err(ApiError::upload_unknown(id));
     };
     match reg.upload_session(&sid).await? {
+        // A session a registry before named segments started: its bytes cannot be read
+        // by name, so the client starts the upload again (expiry removes it).
+        Some((s, _)) if s.unnamed() => Err(ApiError::upload_unknown(id)),
         Some((s, v)) if s.repo == name.as_str() => Ok((sid, s, v)),
         _ => Err(ApiError::upload_unknown(id)),
     }
@@ -225,8 +222,8 @@ pub async fn finish(
 pub async fn cancel(reg: &AppState, name: RepoName, id: String) -> ApiResult<Response> {
     let lock = session_lock(reg, &id)?;
     let _state = lock.lock().await;
-    let (id, _, _) = load_locked(reg, &name, &id).await?;
-    reg.drop_upload_session(&id).await?;
+    let (id, s, _) = load_locked(reg, &name, &id).await?;
+    reg.drop_upload_session(&id, &s).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -360,11 +357,12 @@ async fn append_stream(
         )
         .await;
     metrics::gauge!(crate::metrics::UPLOADS_IN_FLIGHT).decrement(1.0);
-    let written = match res {
-        Ok(len) => len - s.offset,
+    // On an error nothing of this append is visible (the store's promise), so the
+    // session is as it was.
+    let (written, segment) = match res {
+        Ok(a) => (a.len - s.offset, a.segment),
         Err(e) => {
             *state = None;
-            let _ = reg.store.truncate_staged(id, s.offset).await;
             return Err(match e {
                 StoreError::Body(_) if exceeded.load(Ordering::Relaxed) => {
                     too_large(max, s.offset, room + 1)
@@ -375,7 +373,7 @@ async fn append_stream(
                 )),
                 StoreError::OffsetMismatch { .. } | StoreError::NotFound(_) => {
                     // The staged data is gone (published just before a crash, or removed).
-                    reg.drop_upload_session(sid).await?;
+                    reg.drop_upload_session(sid, s).await?;
                     ApiError::upload_unknown(id)
                 }
                 other => other.into(),
@@ -384,24 +382,30 @@ async fn append_stream(
     };
     if let Some(n) = expect_len.filter(|&n| n != written) {
         *state = None;
-        reg.store.truncate_staged(id, s.offset).await?;
+        if let Some(seg) = &segment {
+            reg.store.discard_segment(id, seg).await?;
+        }
         return Err(ApiError::upload_invalid(format!(
             "Content-Range announced {n} bytes but the body had {written}"
         )));
     }
-    if written > 0 {
+    if let Some(seg) = segment {
         let mut moved = s.clone();
         moved.offset += written;
         moved.updated_unix = now_unix();
+        moved.segments.push(seg.clone());
         match reg.put_upload_session(sid, &moved, Some(version)).await {
             Ok(v) => {
                 *version = v;
                 *s = moved;
             }
             Err(e) => {
-                // Another replica moved the session meanwhile: this request's bytes
-                // are not acknowledged (and may be cut off by its next append).
+                // Another request moved (or finished) the session meanwhile: this one's
+                // bytes are not the upload's, and its segment goes.
                 *state = None;
+                if let Err(d) = reg.store.discard_segment(id, &seg).await {
+                    tracing::warn!(upload = id, error = %d, "dropping a segment that lost its compare-and-swap");
+                }
                 return Err(e.into());
             }
         }
@@ -527,7 +531,7 @@ async fn complete(
         }
         _ => {
             let mut hasher = digest.algorithm().hasher();
-            let mut stream = reg.store.read_staged(id, s.offset).await?;
+            let mut stream = reg.store.read_staged(id, &s.segments, s.offset).await?;
             while let Some(chunk) = stream.next().await {
                 hasher.update(&chunk.map_err(|e| ApiError::internal("reading staged upload", e))?);
             }
@@ -535,7 +539,7 @@ async fn complete(
         }
     };
     if actual != digest {
-        reg.drop_upload_session(sid).await?;
+        reg.drop_upload_session(sid, s).await?;
         return Err(ApiError::digest_invalid(format!(
             "the uploaded {} bytes have digest {actual}, not {digest}; the upload was discarded",
             s.offset
@@ -543,7 +547,7 @@ async fn complete(
     }
     // A layer this registry keeps as a recipe (`crate::recipe`) is not stored again.
     if kept_as_recipe(reg, &digest).await? {
-        reg.store.remove_staged(id).await?;
+        reg.store.remove_staged(id, &s.segments).await?;
         reg.finish_upload_session(sid).await?;
     } else {
         // The session ends before its bytes are published: a store may publish them
@@ -552,7 +556,7 @@ async fn complete(
         // A crash in between loses this upload (the client starts it again), not a blob.
         reg.finish_upload_session(sid).await?;
         reg.store
-            .publish_staged(id, s.offset, &ObjectKey::blob(&digest))
+            .publish_staged(id, &s.segments, s.offset, &ObjectKey::blob(&digest))
             .await?;
     }
     reg.link_blob(name, &digest, s.offset).await?;

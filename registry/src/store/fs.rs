@@ -15,7 +15,10 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use std::io::{Read, Write};
 
-use super::{ByteStream, Level, ObjectKey, ObjectStore, Observer, RecordKey, StoreError, Version};
+use super::{
+    Appended, ByteStream, Level, ObjectKey, ObjectStore, Observer, RecordKey, Segment, StoreError,
+    Version,
+};
 
 /// Size of the reads that stream a staged upload (published objects are mapped instead,
 /// see [`stream_published`]). Above glibc's fixed mmap threshold (main.rs), so each
@@ -442,7 +445,7 @@ impl ObjectStore for FsStore {
         body: ByteStream,
         len: Option<u64>,
         observe: Observer<'_>,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<Appended, StoreError> {
         let mut body = match len {
             Some(n) => super::exactly(body, n),
             None => body,
@@ -506,10 +509,24 @@ impl ObjectStore for FsStore {
             }
         }
         drop(tx);
-        let written = writer.await.map_err(not_finished)??;
+        let len = writer.await.map_err(not_finished)??;
         match body_error {
             Some(e) => Err(StoreError::Body(e)),
-            None => Ok(written),
+            // One file per session, written by this process alone: a segment needs no name.
+            None => Ok(Appended {
+                len,
+                segment: (len > offset).then(|| Segment {
+                    start: offset,
+                    name: String::new(),
+                }),
+            }),
+        }
+    }
+
+    async fn discard_segment(&self, id: &str, segment: &Segment) -> Result<(), StoreError> {
+        match self.truncate_staged(id, segment.start).await {
+            Err(StoreError::NotFound(_)) => Ok(()),
+            other => other,
         }
     }
 
@@ -535,18 +552,29 @@ impl ObjectStore for FsStore {
             .map_err(|e| StoreError::io(format!("staged upload {id}"), e))
     }
 
-    async fn read_staged(&self, id: &str, len: u64) -> Result<ByteStream, StoreError> {
+    async fn read_staged(
+        &self,
+        id: &str,
+        _segments: &[Segment],
+        len: u64,
+    ) -> Result<ByteStream, StoreError> {
         let f = self.staged_holding(id, len, false).await?;
         Ok(stream_file(f, len))
     }
 
-    async fn publish_staged(&self, id: &str, len: u64, key: &ObjectKey) -> Result<(), StoreError> {
+    async fn publish_staged(
+        &self,
+        id: &str,
+        _segments: &[Segment],
+        len: u64,
+        key: &ObjectKey,
+    ) -> Result<(), StoreError> {
         // Cut off what a request that never finished left past `len`; the data up to
         // `len` was fsynced by append_staged. Link it into place, then drop the staging name.
         self.staged_holding(id, len, true).await?;
         self.link_durably(&self.staged(id)?, &self.path(key))
             .await?;
-        self.remove_staged(id).await
+        self.remove_staged(id, &[]).await
     }
 
     async fn remove(&self, key: &ObjectKey) -> Result<(), StoreError> {
@@ -557,7 +585,7 @@ impl ObjectStore for FsStore {
         }
     }
 
-    async fn remove_staged(&self, id: &str) -> Result<(), StoreError> {
+    async fn remove_staged(&self, id: &str, _segments: &[Segment]) -> Result<(), StoreError> {
         match tokio::fs::remove_file(self.staged(id)?).await {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),

@@ -10,8 +10,10 @@
 //!   is only ever made visible by an atomic publish of a fully written, durable staged
 //!   object.
 //! - staged objects (upload sessions), named by a session id. They are appended to,
-//!   truncated back to the last acknowledged length after a crash, and either published
-//!   under a key or removed.
+//!   one [`Segment`] per append, and either published under a key or removed. The caller
+//!   keeps the list of acknowledged segments (in the session's record) and names them to
+//!   every read and publish: what a backend holds past them is from requests that were
+//!   never acknowledged, and is never read.
 //! - records: small named values describing repositories (which manifests and blobs
 //!   each holds, where each tag points, how each image converted). They are the durable
 //!   truth that the RocksDB index caches, so every replica over one bucket sees the same
@@ -280,6 +282,28 @@ pub async fn walk(
     }
 }
 
+/// One acknowledged append to a staged object: where its bytes start, and the backend's
+/// name for them. A backend whose staged objects are shared (s3, several replicas) writes
+/// every append under a name of its own, so two requests appending at one offset at once
+/// never write the same object, and the caller's compare-and-swap of its list of segments
+/// decides which of them is the upload's. A backend that appends to one file only this
+/// process writes (fs) leaves the name empty. A segment ends where the next one starts,
+/// the last one at the staged object's acknowledged length.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Segment {
+    pub start: u64,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub name: String,
+}
+
+/// What [`ObjectStore::append_staged`] did: the staged object's new length, and the
+/// segment it wrote (`None` for an empty append, which writes nothing).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Appended {
+    pub len: u64,
+    pub segment: Option<Segment>,
+}
+
 /// The version of a record as its store sees it (an ETag, or a content hash); compared
 /// only for equality.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -405,14 +429,15 @@ pub trait ObjectStore: Send + Sync + 'static {
     async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError>;
 
     /// Appends `body` to staged object `id` after its first `offset` bytes, the ones the
-    /// caller acknowledged (created when `offset` is 0); bytes staged past `offset` by a
-    /// request that never finished are discarded. Fewer than `offset` bytes staged is an
-    /// error here or, for a backend that does not look (s3: no listing per request), when
-    /// the object is read or published. `len` is the body's length when its sender
-    /// declared it (a Content-Length, a descriptor's size): a body of another length is
-    /// then `StoreError::Body`, as a body that fails, and a backend may write the segment in
-    /// one request (s3: one PUT instead of a multipart upload). Each chunk is passed to
-    /// `observe` as it is written. Returns the new length once the data is durable.
+    /// caller acknowledged (created when `offset` is 0), as a new segment; what a request
+    /// that never finished staged past `offset` is never read again. Fewer than `offset`
+    /// bytes staged is an error here or, for a backend that does not look (s3: no request
+    /// beyond the write), when the object is read or published. `len` is the body's length
+    /// when its sender declared it (a Content-Length, a descriptor's size): a body of another
+    /// length is then `StoreError::Body`, as a body that fails, and a backend may write the
+    /// segment in one request (s3: one PUT instead of a multipart upload). Each chunk is
+    /// passed to `observe` as it is written. Returns the new length and the segment once the
+    /// data is durable; on an error nothing of this append is left visible.
     async fn append_staged(
         &self,
         id: &str,
@@ -420,33 +445,56 @@ pub trait ObjectStore: Send + Sync + 'static {
         body: ByteStream,
         len: Option<u64>,
         observe: Observer<'_>,
-    ) -> Result<u64, StoreError>;
+    ) -> Result<Appended, StoreError>;
 
-    /// Length of staged object `id`, `None` if it does not exist.
+    /// Drops `segment` of staged object `id`, written by [`append_staged`](Self::append_staged)
+    /// but never acknowledged (another request's append won, or the body did not match
+    /// what its sender announced). Dropping one that is gone is not an error.
+    async fn discard_segment(&self, id: &str, segment: &Segment) -> Result<(), StoreError>;
+
+    /// Bytes staged object `id` holds, acknowledged or not; `None` if it holds none (for
+    /// recovery and fsck). On s3 a first segment that a link now names counts too (it
+    /// cannot be told apart without the blob's key).
     async fn staged_len(&self, id: &str) -> Result<Option<u64>, StoreError>;
 
-    /// Cuts staged object `id` back to `len` bytes (recovery after a crash mid-append).
+    /// Cuts staged object `id` back to `len` bytes (recovery after a crash mid-append, for a
+    /// store this process owns alone).
     async fn truncate_staged(&self, id: &str, len: u64) -> Result<(), StoreError>;
 
-    /// Streams the first `len` bytes of staged object `id` (its acknowledged bytes); an
-    /// error if fewer are staged.
-    async fn read_staged(&self, id: &str, len: u64) -> Result<ByteStream, StoreError>;
+    /// Streams the first `len` bytes of staged object `id`, held by `segments` (its
+    /// acknowledged bytes); an error if they are not all there.
+    async fn read_staged(
+        &self,
+        id: &str,
+        segments: &[Segment],
+        len: u64,
+    ) -> Result<ByteStream, StoreError>;
 
     /// Removes a published object; removing a missing one is not an error. Only for a
     /// layer blob whose recipe is published and verified (`crate::recipe`): every other
     /// published object is kept forever.
     async fn remove(&self, key: &ObjectKey) -> Result<(), StoreError>;
 
-    /// Makes the first `len` bytes of staged object `id` visible as `key`, atomically, and
-    /// ends `id` (anything staged past `len` is dropped). If `key` exists already it is
-    /// kept and the staged object is dropped. An error if fewer than `len` bytes are
-    /// staged. A backend may publish the bytes where they are staged (s3 links a
-    /// single-segment upload), so an ended id is never staged to or removed again: ids
-    /// are never reused, and the caller ends its session before publishing.
-    async fn publish_staged(&self, id: &str, len: u64, key: &ObjectKey) -> Result<(), StoreError>;
+    /// Makes the first `len` bytes of staged object `id`, held by `segments`, visible as
+    /// `key`, atomically, and ends `id` (its segments are dropped; what unacknowledged
+    /// requests left may stay until [`remove_staged`](Self::remove_staged)). If `key` exists
+    /// already it is kept. An error if the bytes are not all there. A backend may publish
+    /// the bytes where they are staged (s3 links a single-segment upload), so an ended id
+    /// is never staged to again: ids are never reused, and the caller ends its session
+    /// before publishing.
+    async fn publish_staged(
+        &self,
+        id: &str,
+        segments: &[Segment],
+        len: u64,
+        key: &ObjectKey,
+    ) -> Result<(), StoreError>;
 
-    /// Removes staged object `id`; removing a missing one is not an error.
-    async fn remove_staged(&self, id: &str) -> Result<(), StoreError>;
+    /// Removes staged object `id`: `segments` (what its session acknowledged; empty for
+    /// staged data whose session is gone) and whatever unacknowledged requests left under
+    /// it. A first segment not named is kept where the backend may have published it (s3:
+    /// a link may name it). Removing a missing one is not an error.
+    async fn remove_staged(&self, id: &str, segments: &[Segment]) -> Result<(), StoreError>;
 
     /// Ids of every staged object (for recovery and expiry).
     async fn list_staged(&self) -> Result<Vec<String>, StoreError>;

@@ -3,8 +3,14 @@
 //! Layout in the bucket, under an optional prefix: published objects at their
 //! [`ObjectKey`]; a staged object `id` as segments, one per append, each made visible
 //! whole (a single PUT, or a multipart upload completed at the end), so a crash never
-//! leaves a partial segment and the staged length is always the sum of whole appends.
-//! The first segment is `data/<id>`, every later one `_staging/<id>/<offset:020>`.
+//! leaves a partial segment. Every append writes an object of its own, named by a random
+//! token: the first segment is `data/<id>.<token>`, every later one
+//! `_staging/<id>/<offset:020>.<token>`. Which of them hold the upload is what the
+//! session's record says ([`Segment`]s, moved by compare-and-swap); two replicas appending
+//! at one offset at once write two objects, and the one whose compare-and-swap lost drops
+//! its own. Nothing is listed per request: reads and publishes take the record's
+//! segments. (A record without segments, and `data/<id>` or `_staging/<id>/<offset:020>`
+//! without a token, are of a registry before per-append names.)
 //!
 //! S3 has no rename, so publishing a staged object would cost a server-side copy of all
 //! its bytes. Most blobs are pushed in one PATCH (docker, skopeo, containerd), so their
@@ -19,9 +25,16 @@
 //!   the final key (one `CopyObject` for a single segment, else `UploadPartCopy` parts of
 //!   a multipart upload), with `If-None-Match: *`: the final key is either absent, or
 //!   complete, or a link to a complete data object;
-//! - a linked `data/<id>` is removed only with its link (`remove`), never as staged
-//!   data: the session it was staged for ends before the link is written
-//!   (`crate::uploads`), and publishing never removes the data a link at its key names;
+//! - a staged object's segments below its acknowledged length never change: each is an
+//!   object written once under a name no other request uses, so a hash of them computed
+//!   while they were written stays the hash of what is published, and a request that
+//!   lands late cannot change a published (linked) blob;
+//! - a linked `data/<id>.<token>` is removed only with its link (`remove`), never as
+//!   staged data: the session it was staged for ends before the link is written
+//!   (`crate::uploads`), publishing never removes the data a link at its key names, and
+//!   removing staged data whose session is gone leaves `data/` alone (a crash between an
+//!   append's write and its compare-and-swap can leave an unnamed `data/<id>.<token>`;
+//!   nothing links it, and fsck does not see it yet);
 //! - only blob keys (`blobs/…`) can be links; what a blob key holds is cached (links and
 //!   published objects never change; a removed one reads as missing, and its size is
 //!   its recipe's), so a link costs one HEAD per process, not per read, and a whole
@@ -51,7 +64,10 @@ use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 
-use super::{ByteStream, Level, ObjectKey, ObjectStore, Observer, RecordKey, StoreError, Version};
+use super::{
+    Appended, ByteStream, Level, ObjectKey, ObjectStore, Observer, RecordKey, Segment, StoreError,
+    Version,
+};
 
 /// Bytes per multipart part (S3's minimum is 5 MiB, except for the last part).
 const PART_BYTES: usize = 8 << 20;
@@ -192,12 +208,19 @@ impl http_body::Body for Declared {
     }
 }
 
-/// A segment of a staged object: where it starts, its key and size.
+/// An object found under a staged object's names (listed: for recovery and fsck only):
+/// where its bytes would start, its key and size.
 #[derive(Clone, Debug)]
-struct Segment {
+struct StagedObject {
     start: u64,
     key: String,
     size: u64,
+}
+
+/// Whether `name` is a segment name this backend makes (or the empty one of before).
+fn segment_name_ok(name: &str) -> bool {
+    name.is_empty()
+        || (name.len() == 32 && name.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
 }
 
 impl S3Store {
@@ -289,10 +312,58 @@ impl S3Store {
         Ok(format!("{}_staging/{id}/", self.prefix))
     }
 
-    /// The full key of staged object `id`'s first segment (`data/<id>`).
+    /// The full key that every first segment of staged object `id` starts with
+    /// (`data/<id>`, which is itself the one of a registry before per-append names).
     fn data_key(&self, id: &str) -> Result<String, StoreError> {
         self.staged_prefix(id)?;
         Ok(format!("{}{DATA}{id}", self.prefix))
+    }
+
+    /// The full key of `segment` of staged object `id`.
+    fn segment_key(&self, id: &str, segment: &Segment) -> Result<String, StoreError> {
+        if !segment_name_ok(&segment.name) {
+            return Err(StoreError::NotFound(format!(
+                "segment {:?} of staged upload {id}",
+                segment.name
+            )));
+        }
+        let base = if segment.start == 0 {
+            self.data_key(id)?
+        } else {
+            format!("{}{:020}", self.staged_prefix(id)?, segment.start)
+        };
+        Ok(match segment.name.as_str() {
+            "" => base,
+            name => format!("{base}.{name}"),
+        })
+    }
+
+    /// The objects holding the first `len` bytes of staged object `id`, as `segments`
+    /// name them, with the size of each; an error if the segments do not tile `len`.
+    fn segment_objects(
+        &self,
+        id: &str,
+        segments: &[Segment],
+        len: u64,
+    ) -> Result<Vec<(String, u64)>, StoreError> {
+        let mut out = Vec::with_capacity(segments.len());
+        let mut at = 0;
+        for (i, seg) in segments.iter().enumerate() {
+            let end = segments.get(i + 1).map_or(len, |next| next.start);
+            if seg.start != at || end <= seg.start {
+                break;
+            }
+            out.push((self.segment_key(id, seg)?, end - seg.start));
+            at = end;
+        }
+        if at != len {
+            return Err(StoreError::OffsetMismatch {
+                id: id.to_string(),
+                expected: len,
+                actual: at,
+            });
+        }
+        Ok(out)
     }
 
     /// HEAD of a full key: where its bytes are, following a link; `None` if it does not
@@ -332,10 +403,15 @@ impl S3Store {
         }))
     }
 
-    /// The full key a link at `key` names with `link`: only ever an upload's data object.
+    /// The full key a link at `key` names with `link`: only ever an upload's first
+    /// segment (`data/<id>.<token>`, or `data/<id>` from before per-append names).
     fn link_target(&self, key: &str, link: &str) -> Result<String, StoreError> {
+        let named = |rest: &str| {
+            let (id, token) = rest.split_once('.').unwrap_or((rest, ""));
+            amber_oci::names::upload_id_ok(id) && segment_name_ok(token)
+        };
         match link.strip_prefix(DATA) {
-            Some(id) if amber_oci::names::upload_id_ok(id) => Ok(format!("{}{link}", self.prefix)),
+            Some(rest) if named(rest) => Ok(format!("{}{link}", self.prefix)),
             _ => Err(StoreError::io(
                 format!("link {key}"),
                 io::Error::other(format!("{LINK_META} {link:?} names no upload's data")),
@@ -423,60 +499,31 @@ impl S3Store {
         Ok(level)
     }
 
-    /// The segments of staged object `id`, in order; empty when it does not exist. (A
-    /// first segment under `_staging/` is one a registry before `data/` staged.)
-    async fn segments(&self, id: &str) -> Result<Vec<Segment>, StoreError> {
+    /// Every object staged under `id`'s names, acknowledged or not, by where it starts
+    /// (listed: for recovery and fsck, never per request).
+    async fn staged_objects(&self, id: &str) -> Result<Vec<StagedObject>, StoreError> {
         let prefix = self.staged_prefix(id)?;
         let data = self.data_key(id)?;
-        let mut segs = Vec::new();
-        if let Some(head) = self.head(&data).await? {
-            segs.push(Segment {
-                start: 0,
-                key: data,
-                size: head.size,
-            });
+        let mut found = Vec::new();
+        for (key, size) in self.list_keys(&data).await? {
+            let rest = &key[data.len()..];
+            if rest.is_empty() || rest.starts_with('.') {
+                found.push(StagedObject {
+                    start: 0,
+                    key,
+                    size,
+                });
+            }
         }
         for (key, size) in self.list_keys(&prefix).await? {
-            let Some(start) = key[prefix.len()..].parse::<u64>().ok() else {
-                continue;
-            };
-            if start == 0 && !segs.is_empty() {
-                continue;
+            let name = &key[prefix.len()..];
+            let start = name.split_once('.').map_or(name, |(start, _)| start);
+            if let Ok(start) = start.parse::<u64>() {
+                found.push(StagedObject { start, key, size });
             }
-            segs.push(Segment { start, key, size });
         }
-        segs.sort_by_key(|s| s.start);
-        Ok(segs)
-    }
-
-    /// The segments of staged object `id` that hold its first `len` bytes, checked to
-    /// tile them exactly, and every segment it has (with those a request that never
-    /// finished left past `len`).
-    async fn segments_below(
-        &self,
-        id: &str,
-        len: u64,
-    ) -> Result<(Vec<Segment>, Vec<Segment>), StoreError> {
-        let all = self.segments(id).await?;
-        if all.is_empty() {
-            return Err(StoreError::NotFound(format!("staged upload {id}")));
-        }
-        let below: Vec<Segment> = all.iter().filter(|s| s.start < len).cloned().collect();
-        let mut end = 0;
-        for s in &below {
-            if s.start != end {
-                break;
-            }
-            end += s.size;
-        }
-        if end != len {
-            return Err(StoreError::OffsetMismatch {
-                id: id.to_string(),
-                expected: len,
-                actual: end,
-            });
-        }
-        Ok((below, all))
+        found.sort_by_key(|o| o.start);
+        Ok(found)
     }
 
     async fn delete(&self, key: &str) -> Result<(), StoreError> {
@@ -870,12 +917,11 @@ impl ObjectStore for S3Store {
         body: ByteStream,
         len: Option<u64>,
         observe: Observer<'_>,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<Appended, StoreError> {
         let mut body = match len {
             Some(n) => super::exactly(body, n),
             None => body,
         };
-        let prefix = self.staged_prefix(id)?;
         // An empty append (the closing PUT of a chunked upload) writes nothing.
         let first = loop {
             match body.next().await {
@@ -885,20 +931,21 @@ impl ObjectStore for S3Store {
                 None => break None,
             }
         };
-        if first.is_none() && offset > 0 {
-            return Ok(offset); // nothing to write; publish checks what is staged
-        }
-        let body: ByteStream = Box::pin(futures_util::stream::iter(first.map(Ok)).chain(body));
-        // No listing: the segment of an append at `offset` is named by `offset`, so it
-        // replaces a segment a request that never finished left there (the only place
-        // one can be: the caller's acknowledged offset only moves once a segment is
-        // whole). Reads and publishes take the segments below their length, which must
-        // tile it exactly.
-        let key = if offset == 0 {
-            self.data_key(id)?
-        } else {
-            format!("{prefix}{offset:020}")
+        let Some(first) = first else {
+            return Ok(Appended {
+                len: offset,
+                segment: None,
+            });
         };
+        let body: ByteStream =
+            Box::pin(futures_util::stream::once(async { Ok(first) }).chain(body));
+        // No listing and no overwrite: the append gets an object of its own, and the
+        // caller's compare-and-swap of its segments decides whether it is the upload's.
+        let segment = Segment {
+            start: offset,
+            name: uuid::Uuid::new_v4().simple().to_string(),
+        };
+        let key = self.segment_key(id, &segment)?;
         let written = match len {
             // Declared and bigger than a part: one streamed PUT, so the server writes the
             // bytes once (a multipart upload's parts are joined on completion, which an
@@ -908,41 +955,38 @@ impl ObjectStore for S3Store {
             }
             _ => self.write_streamed(&key, body, observe, false).await?,
         };
-        Ok(offset + written)
+        Ok(Appended {
+            len: offset + written,
+            segment: Some(segment),
+        })
+    }
+
+    async fn discard_segment(&self, id: &str, segment: &Segment) -> Result<(), StoreError> {
+        self.delete(&self.segment_key(id, segment)?).await
     }
 
     async fn staged_len(&self, id: &str) -> Result<Option<u64>, StoreError> {
-        let segs = self.segments(id).await?;
-        Ok((!segs.is_empty()).then(|| segs.iter().map(|s| s.size).sum()))
+        let found = self.staged_objects(id).await?;
+        Ok((!found.is_empty()).then(|| found.iter().map(|o| o.size).sum()))
     }
 
     async fn truncate_staged(&self, id: &str, len: u64) -> Result<(), StoreError> {
-        let prefix = self.staged_prefix(id)?;
-        self.abort_dangling(&prefix).await;
+        self.abort_dangling(&self.staged_prefix(id)?).await;
         self.abort_dangling(&self.data_key(id)?).await;
-        for s in self.segments(id).await? {
-            if s.start >= len && !(s.start == 0 && len == 0) {
-                self.delete(&s.key).await?;
-            } else if s.start + s.size > len {
-                // Cut inside this segment: rewrite it as its first `keep` bytes, copied
-                // server-side, replacing it atomically.
-                let keep = len - s.start;
-                if keep == 0 {
-                    self.write_streamed(
-                        &s.key,
-                        Box::pin(futures_util::stream::empty()),
-                        &mut |_| {},
-                        false,
-                    )
-                    .await?;
-                    continue;
-                }
-                let upload = self.start_upload(&s.key).await?;
-                let part = self.copy_part(&s.key, &upload, 1, &s.key, 0..keep).await;
+        for o in self.staged_objects(id).await? {
+            if o.start >= len {
+                self.delete(&o.key).await?;
+            } else if o.start + o.size > len {
+                // Cut inside this object (only one staged before per-append names can
+                // pass the acknowledged length): rewrite it as its first `keep` bytes,
+                // copied server-side, replacing it atomically.
+                let keep = len - o.start;
+                let upload = self.start_upload(&o.key).await?;
+                let part = self.copy_part(&o.key, &upload, 1, &o.key, 0..keep).await;
                 match part {
-                    Ok(p) => self.complete(&s.key, &upload, vec![p], false).await?,
+                    Ok(p) => self.complete(&o.key, &upload, vec![p], false).await?,
                     Err(e) => {
-                        self.abort(&s.key, &upload).await;
+                        self.abort(&o.key, &upload).await;
                         return Err(e);
                     }
                 }
@@ -951,48 +995,57 @@ impl ObjectStore for S3Store {
         Ok(())
     }
 
-    async fn read_staged(&self, id: &str, len: u64) -> Result<ByteStream, StoreError> {
-        let (segs, _) = self.segments_below(id, len).await?;
+    async fn read_staged(
+        &self,
+        id: &str,
+        segments: &[Segment],
+        len: u64,
+    ) -> Result<ByteStream, StoreError> {
         let mut streams = Vec::new();
-        for s in segs.into_iter().filter(|s| s.size > 0) {
-            streams.push(self.get_range(&s.key, 0..s.size).await?);
+        for (key, size) in self.segment_objects(id, segments, len)? {
+            streams.push(self.get_range(&key, 0..size).await?);
         }
         Ok(Box::pin(futures_util::stream::iter(streams).flatten()))
     }
 
-    async fn publish_staged(&self, id: &str, len: u64, key: &ObjectKey) -> Result<(), StoreError> {
-        let (segs, all) = self.segments_below(id, len).await?;
+    async fn publish_staged(
+        &self,
+        id: &str,
+        segments: &[Segment],
+        len: u64,
+        key: &ObjectKey,
+    ) -> Result<(), StoreError> {
+        let objects = self.segment_objects(id, segments, len)?;
         let k = self.key(key);
-        let data = self.data_key(id)?;
         if key.as_str().starts_with(LINKABLE) {
-            if let [only] = segs.as_slice() {
-                if only.key == data && only.size == len && len > 0 {
-                    return self.publish_link(&k, &data, len, &all).await;
-                }
+            if let [(data, _)] = objects.as_slice() {
+                // One segment, from byte 0: the upload's first, under `data/`.
+                return self.publish_link(&k, data, len).await;
             }
         }
         if self.head(&k).await?.is_none() {
-            let segs: Vec<Segment> = segs.into_iter().filter(|s| s.size > 0).collect();
-            let copyable = segs
+            let copyable = objects
                 .iter()
                 .rev()
                 .skip(1)
-                .all(|s| s.size >= MIN_PART && s.size <= MAX_COPY_PART)
-                && segs.last().is_none_or(|s| s.size <= MAX_COPY_PART);
-            if segs.is_empty() || !copyable {
+                .all(|(_, size)| *size >= MIN_PART && *size <= MAX_COPY_PART)
+                && objects
+                    .last()
+                    .is_none_or(|(_, size)| *size <= MAX_COPY_PART);
+            if objects.is_empty() || !copyable {
                 // Empty, or segments S3 cannot copy as parts: stream them through.
-                let body = self.read_staged(id, len).await?;
+                let body = self.read_staged(id, segments, len).await?;
                 self.write_streamed(&k, body, &mut |_| {}, true).await?;
-            } else if let [only] = segs.as_slice() {
+            } else if let [(only, _)] = objects.as_slice() {
                 // One segment (a blob pushed in one PATCH, as docker and skopeo do): one
                 // server-side copy, not a multipart upload of one copied part.
-                self.copy_whole(&k, &only.key).await?;
+                self.copy_whole(&k, only).await?;
             } else {
                 let upload = self.start_upload(&k).await?;
                 let mut parts = Vec::new();
-                for (i, s) in segs.iter().enumerate() {
+                for (i, (src, size)) in objects.iter().enumerate() {
                     match self
-                        .copy_part(&k, &upload, i as i32 + 1, &s.key, 0..s.size)
+                        .copy_part(&k, &upload, i as i32 + 1, src, 0..*size)
                         .await
                     {
                         Ok(p) => parts.push(p),
@@ -1005,11 +1058,11 @@ impl ObjectStore for S3Store {
                 self.complete(&k, &upload, parts, true).await?;
             }
         }
-        // The segments were just listed: delete them without listing again. A multipart
-        // upload a crashed request left under the session is aborted by `remove_staged`
-        // on expiry or cancel.
-        for seg in &all {
-            self.delete(&seg.key).await?;
+        // What unacknowledged requests left under the session (a crash between a write
+        // and its compare-and-swap) is not listed here: `remove_staged` of the orphan
+        // takes it (recovery at start, fsck --repair).
+        for (seg, _) in &objects {
+            self.delete(seg).await?;
         }
         Ok(())
     }
@@ -1033,15 +1086,20 @@ impl ObjectStore for S3Store {
         Ok(())
     }
 
-    async fn remove_staged(&self, id: &str) -> Result<(), StoreError> {
+    async fn remove_staged(&self, id: &str, segments: &[Segment]) -> Result<(), StoreError> {
         let prefix = self.staged_prefix(id)?;
-        let data = self.data_key(id)?;
+        // Multipart uploads never completed are never linked, under `data/` or not.
         self.abort_dangling(&prefix).await;
-        self.abort_dangling(&data).await;
+        self.abort_dangling(&self.data_key(id)?).await;
         for (key, _) in self.list_keys(&prefix).await? {
             self.delete(&key).await?;
         }
-        self.delete(&data).await
+        // First segments only by name: with its session gone, a `data/` object of `id` may
+        // be a published blob's bytes.
+        for seg in segments.iter().filter(|s| s.start == 0) {
+            self.delete(&self.segment_key(id, seg)?).await?;
+        }
+        Ok(())
     }
 
     async fn list_staged(&self) -> Result<Vec<String>, StoreError> {
@@ -1169,8 +1227,10 @@ impl ObjectStore for S3Store {
         };
         match req.send().await {
             Ok(r) => Ok(Some(Version(r.e_tag().unwrap_or_default().to_string()))),
-            // 412: the condition failed; 409: a concurrent conditional write won the race.
+            // 412: the condition failed; 409: a concurrent conditional write won the race;
+            // 404 to an If-Match: the record is gone (AWS answers so), which fails it too.
             Err(e) if matches!(status(&e), Some(412) | Some(409)) => Ok(None),
+            Err(e) if expected.is_some() && status(&e) == Some(404) => Ok(None),
             Err(e) => Err(io_err(format!("writing record {k}"), e)),
         }
     }
@@ -1231,37 +1291,22 @@ impl ObjectStore for S3Store {
 }
 
 impl S3Store {
-    /// Publishes staged object `id`, held whole by its first segment `data`, as a link
-    /// at `key`; then removes its other segments (`all`: left past the length by a
-    /// request that never finished).
-    async fn publish_link(
-        &self,
-        key: &str,
-        data: &str,
-        len: u64,
-        all: &[Segment],
-    ) -> Result<(), StoreError> {
-        let linked = match self.head(key).await? {
-            // A retried publish of this session: the link is there already.
-            Some(r) => r.data == data,
-            None if self.write_link(key, data, len).await? => true,
-            // Another upload of the same blob linked first.
-            None => match self.head(key).await? {
-                Some(r) => r.data == data,
-                None => {
-                    return Err(StoreError::io(
-                        format!("linking {key}"),
-                        io::Error::other(
-                            "the store refused the link as existing, yet it is not there",
-                        ),
-                    ))
-                }
-            },
-        };
-        for seg in all.iter().filter(|s| s.key != data || !linked) {
-            self.delete(&seg.key).await?;
+    /// Publishes a staged object held whole by its first segment `data` as a link at
+    /// `key`.
+    async fn publish_link(&self, key: &str, data: &str, len: u64) -> Result<(), StoreError> {
+        if self.write_link(key, data, len).await? {
+            return Ok(());
         }
-        Ok(())
+        match self.head(key).await? {
+            // A retried publish of this session: the link is there already.
+            Some(r) if r.data == data => Ok(()),
+            // Another upload of the same blob published first: this one's data goes.
+            Some(_) => self.delete(data).await,
+            None => Err(StoreError::io(
+                format!("linking {key}"),
+                io::Error::other("the store refused the link as existing, yet it is not there"),
+            )),
+        }
     }
 
     /// Copies the whole object `src` server-side to the published key `key`, create-once
@@ -1341,32 +1386,38 @@ mod tests {
             .unwrap_or_else(|e| panic!("{name} at {url}: {e}"));
             super::super::suite::run(&store).await;
             big_publish_copies_parts(&store).await;
+            racing_appends_at_one_offset_never_mix(&store).await;
             ran += 1;
         }
         assert!(ran >= 1);
     }
 
+    /// Appends `v` at `offset` in chunks of 1 MiB; the segment written.
+    async fn append(store: &S3Store, id: &str, offset: u64, v: &[u8]) -> Segment {
+        let body: ByteStream = Box::pin(futures_util::stream::iter(
+            v.chunks(1 << 20)
+                .map(|c| Ok(Bytes::copy_from_slice(c)))
+                .collect::<Vec<_>>(),
+        ));
+        let a = store
+            .append_staged(id, offset, body, None, &mut |_| {})
+            .await
+            .unwrap();
+        assert_eq!(a.len, offset + v.len() as u64);
+        a.segment.unwrap()
+    }
+
+    async fn read_all_of(store: &S3Store, key: &ObjectKey) -> Vec<u8> {
+        store.read_all(key).await.unwrap().to_vec()
+    }
+
     /// Appends of more than a part become a multipart segment; publishing copies them.
     async fn big_publish_copies_parts(store: &S3Store) {
-        let id = "0000cccc-0000-0000-0000-000000000001";
+        let id = "0000eeee-0000-0000-0000-000000000001";
         let a: Vec<u8> = (0..(PART_BYTES + 12345)).map(|i| (i % 253) as u8).collect();
         let b: Vec<u8> = vec![7u8; 1000];
-        let one = |v: Vec<u8>| -> ByteStream {
-            Box::pin(futures_util::stream::iter(
-                v.chunks(1 << 20)
-                    .map(|c| Ok(Bytes::copy_from_slice(c)))
-                    .collect::<Vec<_>>(),
-            ))
-        };
-        let n = store
-            .append_staged(id, 0, one(a.clone()), None, &mut |_| {})
-            .await
-            .unwrap();
-        let n = store
-            .append_staged(id, n, one(b.clone()), None, &mut |_| {})
-            .await
-            .unwrap();
-        assert_eq!(n as usize, a.len() + b.len());
+        let sa = append(store, id, 0, &a).await;
+        let sb = append(store, id, a.len() as u64, &b).await;
         let mut all = a.clone();
         all.extend_from_slice(&b);
         let key = ObjectKey::blob(&amber_oci::digest::Digest::of(
@@ -1374,7 +1425,7 @@ mod tests {
             &all,
         ));
         store
-            .publish_staged(id, all.len() as u64, &key)
+            .publish_staged(id, &[sa, sb], all.len() as u64, &key)
             .await
             .unwrap();
         assert_eq!(store.read_all(&key).await.unwrap().len(), all.len());
@@ -1394,19 +1445,17 @@ mod tests {
         let single = "00000000-0000-0000-0000-00000000b1c2";
         let mut whole = all.clone();
         whole.reverse();
-        store
-            .append_staged(single, 0, one(whole.clone()), None, &mut |_| {})
-            .await
-            .unwrap();
+        let seg = append(store, single, 0, &whole).await;
         let key = ObjectKey::blob(&amber_oci::digest::Digest::of(
             amber_oci::digest::Algorithm::Sha256,
             &whole,
         ));
         store
-            .publish_staged(single, whole.len() as u64, &key)
+            .publish_staged(single, std::slice::from_ref(&seg), whole.len() as u64, &key)
             .await
             .unwrap();
-        let data = store.data_key(single).unwrap();
+        let data = store.segment_key(single, &seg).unwrap();
+        assert!(data.contains(&format!("{DATA}{single}.")), "{data}");
         let held = Resolved {
             data: data.clone(),
             size: whole.len() as u64,
@@ -1450,19 +1499,16 @@ mod tests {
         // The same content from another session keeps the first link and drops the
         // second session's data.
         let again = "00000000-0000-0000-0000-00000000b1c3";
+        let seg2 = append(store, again, 0, &whole).await;
         store
-            .append_staged(again, 0, one(whole.clone()), None, &mut |_| {})
-            .await
-            .unwrap();
-        store
-            .publish_staged(again, whole.len() as u64, &key)
+            .publish_staged(again, &[seg2], whole.len() as u64, &key)
             .await
             .unwrap();
         assert_eq!(store.head(&store.key(&key)).await.unwrap(), Some(held));
         assert_eq!(store.staged_len(again).await.unwrap(), None);
         // A retried publish of the first session (a crash after it linked) keeps it.
         store
-            .publish_staged(single, whole.len() as u64, &key)
+            .publish_staged(single, &[seg], whole.len() as u64, &key)
             .await
             .unwrap();
         assert!(store.read_all(&key).await.unwrap() == whole);
@@ -1474,5 +1520,46 @@ mod tests {
             store.read_all(&key).await,
             Err(StoreError::NotFound(_))
         ));
+    }
+
+    /// Two requests appending different bytes at one offset of one session (through two
+    /// replicas) write two objects: what the session acknowledged is what is read and
+    /// published, whichever lands last, and a request that lands after the blob is
+    /// published (linked) does not change it.
+    async fn racing_appends_at_one_offset_never_mix(store: &S3Store) {
+        let id = "0000dddd-0000-0000-0000-000000000001";
+        let ours = vec![1u8; 3000];
+        let theirs = vec![2u8; 3000];
+        let acked = append(store, id, 0, &ours).await;
+        let lost = append(store, id, 0, &theirs).await;
+        assert_ne!(acked, lost);
+        let acked = [acked];
+        let read: Vec<u8> = store
+            .read_staged(id, &acked, 3000)
+            .await
+            .unwrap()
+            .map(|b| b.unwrap().to_vec())
+            .collect::<Vec<_>>()
+            .await
+            .concat();
+        assert_eq!(read, ours);
+        let key = ObjectKey::blob(&amber_oci::digest::Digest::of(
+            amber_oci::digest::Algorithm::Sha256,
+            &ours,
+        ));
+        store.publish_staged(id, &acked, 3000, &key).await.unwrap();
+        let late = append(store, id, 0, &theirs).await;
+        store.resolved_lock().clear();
+        assert_eq!(read_all_of(store, &key).await, ours);
+        // The losers drop their own objects; the blob stays.
+        store.discard_segment(id, &lost).await.unwrap();
+        store.discard_segment(id, &late).await.unwrap();
+        assert_eq!(read_all_of(store, &key).await, ours);
+        // A record naming anything but a segment this backend made is refused.
+        let forged = Segment {
+            start: 0,
+            name: "../../blobs/x".into(),
+        };
+        assert!(store.read_staged(id, &[forged], 1).await.is_err());
     }
 }

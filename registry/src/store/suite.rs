@@ -3,7 +3,7 @@
 use bytes::Bytes;
 use futures_util::{stream, TryStreamExt};
 
-use super::{ByteStream, ObjectKey, ObjectStore, StoreError};
+use super::{ByteStream, ObjectKey, ObjectStore, Segment, StoreError};
 use amber_oci::digest::{Algorithm, Digest};
 
 fn body(parts: &[&'static [u8]]) -> ByteStream {
@@ -27,6 +27,8 @@ pub async fn run(store: &dyn ObjectStore) {
     ranges_of_a_large_object(store).await;
     staged_lifecycle(store).await;
     staged_offset_is_checked(store).await;
+    orphan_removal_keeps_published_bytes(store).await;
+    discarded_segments_leave_the_acknowledged_bytes(store).await;
     declared_lengths_are_held(store).await;
     concurrent_publish_of_same_content(store).await;
     records_are_compare_and_swap(store).await;
@@ -114,8 +116,10 @@ async fn records_are_compare_and_swap(store: &dyn ObjectStore) {
     assert!(store.list("_records/").await.unwrap().is_empty());
 
     // A work record can be removed, and then created again; removing twice is fine.
+    // Replacing a removed one at the version it had fails as a stale version does (a
+    // request that lands after its upload finished).
     let work = RecordKey::upload(&uuid::Uuid::new_v4());
-    store
+    let had = store
         .put_record(&work, Bytes::from_static(b"session"), None)
         .await
         .unwrap()
@@ -126,6 +130,12 @@ async fn records_are_compare_and_swap(store: &dyn ObjectStore) {
     );
     store.delete_record(&work).await.unwrap();
     store.delete_record(&work).await.unwrap();
+    assert!(store.get_record(&work).await.unwrap().is_none());
+    assert!(store
+        .put_record(&work, Bytes::from_static(b"late"), Some(&had))
+        .await
+        .unwrap()
+        .is_none());
     assert!(store.get_record(&work).await.unwrap().is_none());
     assert!(store
         .list_records(RecordKey::UPLOADS)
@@ -248,95 +258,126 @@ async fn ranges_of_a_large_object(store: &dyn ObjectStore) {
     }
 }
 
+/// Appends `parts` to staged object `id` at `offset`; the segment written.
+async fn append(
+    store: &dyn ObjectStore,
+    id: &str,
+    offset: u64,
+    parts: &[&'static [u8]],
+) -> Segment {
+    let appended = store
+        .append_staged(id, offset, body(parts), None, &mut |_| {})
+        .await
+        .unwrap();
+    let n: usize = parts.iter().map(|p| p.len()).sum();
+    assert_eq!(appended.len, offset + n as u64);
+    appended
+        .segment
+        .expect("a non-empty append writes a segment")
+}
+
 async fn staged_lifecycle(store: &dyn ObjectStore) {
     let id = "0000aaaa-0000-0000-0000-000000000001";
     let mut seen = 0usize;
-    let n = store
+    let first = store
         .append_staged(id, 0, body(&[b"hello ", b"wor"]), None, &mut |c| {
             seen += c.len()
         })
         .await
         .unwrap();
-    assert_eq!((n, seen), (9, 9));
-    let n = store
-        .append_staged(id, 9, body(&[b"ld!"]), None, &mut |_| {})
-        .await
-        .unwrap();
-    assert_eq!(n, 12);
+    assert_eq!((first.len, seen), (9, 9));
+    let first = first.segment.unwrap();
+    assert_eq!(first.start, 0);
+    let second = append(store, id, 9, &[b"ld!"]).await;
+    assert_eq!(second.start, 9);
+    let acked = [first, second];
     assert_eq!(store.staged_len(id).await.unwrap(), Some(12));
-    store.truncate_staged(id, 11).await.unwrap();
     assert_eq!(
-        collect(store.read_staged(id, 11).await.unwrap()).await,
-        b"hello world"
+        collect(store.read_staged(id, &acked, 12).await.unwrap()).await,
+        b"hello world!"
     );
     assert!(store.list_staged().await.unwrap().contains(&id.to_string()));
-    // Bytes past the acknowledged length (a request that never finished) are neither
-    // read nor published.
-    store
-        .append_staged(id, 11, body(&[b" and more"]), None, &mut |_| {})
+    // An empty append (the closing PUT of a chunked upload) writes no segment.
+    let empty = store
+        .append_staged(id, 12, body(&[]), None, &mut |_| {})
         .await
         .unwrap();
+    assert_eq!((empty.len, empty.segment), (12, None));
+    // Bytes past the acknowledged length (a request that never finished) are neither
+    // read nor published.
+    append(store, id, 12, &[b" and more"]).await;
     assert_eq!(
-        collect(store.read_staged(id, 11).await.unwrap()).await,
-        b"hello world"
+        collect(store.read_staged(id, &acked, 12).await.unwrap()).await,
+        b"hello world!"
     );
-    let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"hello world"));
-    store.publish_staged(id, 11, &key).await.unwrap();
+    let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"hello world!"));
+    store.publish_staged(id, &acked, 12, &key).await.unwrap();
+    assert_eq!(&store.read_all(&key).await.unwrap()[..], b"hello world!");
+    // What the unacknowledged request left goes with the session's staged data.
+    store.remove_staged(id, &[]).await.unwrap();
     assert_eq!(store.staged_len(id).await.unwrap(), None);
-    assert_eq!(&store.read_all(&key).await.unwrap()[..], b"hello world");
-    store.remove_staged(id).await.unwrap();
+    assert_eq!(&store.read_all(&key).await.unwrap()[..], b"hello world!");
     // Bad ids never reach the backend's namespace.
     assert!(store.staged_len("../../etc/passwd").await.is_err());
 }
 
+/// A blob published from one segment, with an unacknowledged request's segment left
+/// under its session: removing the orphaned staged data (recovery, fsck) keeps the blob
+/// whole, wherever the backend published it from.
+async fn orphan_removal_keeps_published_bytes(store: &dyn ObjectStore) {
+    let id = "0000aaaa-0000-0000-0000-000000000003";
+    let data: &'static [u8] = b"published from one segment";
+    let acked = [append(store, id, 0, &[data]).await];
+    append(store, id, data.len() as u64, &[b"never acknowledged"]).await;
+    let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, data));
+    store
+        .publish_staged(id, &acked, data.len() as u64, &key)
+        .await
+        .unwrap();
+    store.remove_staged(id, &[]).await.unwrap();
+    assert!(!store.list_staged().await.unwrap().contains(&id.to_string()));
+    assert_eq!(&store.read_all(&key).await.unwrap()[..], data);
+    assert_eq!(store.stat(&key).await.unwrap(), Some(data.len() as u64));
+}
+
 async fn staged_offset_is_checked(store: &dyn ObjectStore) {
     let id = "0000aaaa-0000-0000-0000-000000000002";
-    store
-        .append_staged(id, 0, body(&[b"abc"]), None, &mut |_| {})
-        .await
-        .unwrap();
-    // Bytes past the acknowledged length (3) from a request that never finished are
-    // replaced by the next append there.
-    store
-        .append_staged(id, 3, body(&[b"def"]), None, &mut |_| {})
-        .await
-        .unwrap();
+    let abc = append(store, id, 0, &[b"abc"]).await;
+    // A request that never finished appended at 3; the next append there is the one
+    // acknowledged.
+    append(store, id, 3, &[b"def"]).await;
+    let x = append(store, id, 3, &[b"x"]).await;
+    let acked = [abc, x];
     assert_eq!(
-        store
-            .append_staged(id, 3, body(&[b"x"]), None, &mut |_| {})
-            .await
-            .unwrap(),
-        4
-    );
-    assert_eq!(
-        collect(store.read_staged(id, 4).await.unwrap()).await,
+        collect(store.read_staged(id, &acked, 4).await.unwrap()).await,
         b"abcx"
     );
-    // Fewer bytes staged than acknowledged: refused at the append (fs) or when read
-    // or published (s3, which does not list per append); never published.
-    let short = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"abcx?y"));
-    let refused = match store
-        .append_staged(id, 5, body(&[b"y"]), None, &mut |_| {})
-        .await
-    {
-        Err(e) => e,
-        Ok(_) => store.publish_staged(id, 6, &short).await.unwrap_err(),
+    // A length the segments do not hold is refused when read or published; nothing is
+    // published.
+    let short = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"abcx??"));
+    let refused = |e: &StoreError| {
+        matches!(
+            e,
+            StoreError::OffsetMismatch { .. } | StoreError::BadRange { .. }
+        )
+    };
+    let err = match store.read_staged(id, &acked, 6).await {
+        Ok(s) => s.try_collect::<Vec<_>>().await.err().map(StoreError::Body),
+        Err(e) => Some(e),
     };
     assert!(
-        matches!(refused, StoreError::OffsetMismatch { .. }),
-        "{refused}"
+        err.as_ref()
+            .is_some_and(|e| refused(e) || matches!(e, StoreError::Body(_))),
+        "{err:?}"
     );
-    assert!(matches!(
-        store.read_staged(id, 6).await.map(|_| ()),
-        Err(StoreError::OffsetMismatch {
-            expected: 6,
-            actual: 4,
-            ..
-        })
-    ));
+    let err = store
+        .publish_staged(id, &acked, 6, &short)
+        .await
+        .unwrap_err();
+    assert!(refused(&err), "{err}");
     assert_eq!(store.stat(&short).await.unwrap(), None);
     // Appending to a session that does not exist (offset > 0) is refused at the append
-    // (fs) or when published (s3); nothing is published.
+    // (fs) or when published (s3: no segment from byte 0); nothing is published.
     let dead = "0000aaaa-0000-0000-0000-00000000dead";
     let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, b"?????x"));
     let err = match store
@@ -344,7 +385,10 @@ async fn staged_offset_is_checked(store: &dyn ObjectStore) {
         .await
     {
         Err(e) => e,
-        Ok(_) => store.publish_staged(dead, 6, &key).await.unwrap_err(),
+        Ok(a) => store
+            .publish_staged(dead, &[a.segment.unwrap()], 6, &key)
+            .await
+            .unwrap_err(),
     };
     assert!(
         matches!(
@@ -354,8 +398,26 @@ async fn staged_offset_is_checked(store: &dyn ObjectStore) {
         "{err}"
     );
     assert_eq!(store.stat(&key).await.unwrap(), None);
-    store.remove_staged(dead).await.unwrap();
-    store.remove_staged(id).await.unwrap();
+    store.remove_staged(dead, &[]).await.unwrap();
+    store.remove_staged(id, &acked).await.unwrap();
+    assert_eq!(store.staged_len(id).await.unwrap(), None);
+    assert_eq!(store.staged_len(dead).await.unwrap(), None);
+}
+
+/// A segment written but never acknowledged (its request lost the compare-and-swap) is
+/// dropped, and what was acknowledged before it stays.
+async fn discarded_segments_leave_the_acknowledged_bytes(store: &dyn ObjectStore) {
+    let id = "0000aaaa-0000-0000-0000-000000000004";
+    let acked = [append(store, id, 0, &[b"kept"]).await];
+    let lost = append(store, id, 4, &[b" lost"]).await;
+    store.discard_segment(id, &lost).await.unwrap();
+    store.discard_segment(id, &lost).await.unwrap();
+    assert_eq!(store.staged_len(id).await.unwrap(), Some(4));
+    assert_eq!(
+        collect(store.read_staged(id, &acked, 4).await.unwrap()).await,
+        b"kept"
+    );
+    store.remove_staged(id, &acked).await.unwrap();
     assert_eq!(store.staged_len(id).await.unwrap(), None);
 }
 
@@ -401,13 +463,14 @@ async fn declared_lengths_are_held(store: &dyn ObjectStore) {
             })
             .await
             .unwrap();
-        assert_eq!((got, seen), (n, n));
+        assert_eq!((got.len, seen), (n, n));
+        let acked = [got.segment.unwrap()];
         assert_eq!(
-            collect(store.read_staged(&id, n).await.unwrap()).await,
+            collect(store.read_staged(&id, &acked, n).await.unwrap()).await,
             data
         );
         let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, &data));
-        store.publish_staged(&id, n, &key).await.unwrap();
+        store.publish_staged(&id, &acked, n, &key).await.unwrap();
         assert_eq!(store.stat(&key).await.unwrap(), Some(n));
         assert_eq!(store.read_all(&key).await.unwrap(), data);
     }
@@ -416,24 +479,21 @@ async fn declared_lengths_are_held(store: &dyn ObjectStore) {
 async fn concurrent_publish_of_same_content(store: &dyn ObjectStore) {
     let data: &'static [u8] = b"same content from sixteen uploads";
     let key = ObjectKey::blob(&Digest::of(Algorithm::Sha256, data));
-    let ids: Vec<String> = (0..16)
-        .map(|i| format!("0000bbbb-0000-0000-0000-{i:012}"))
-        .collect();
-    for id in &ids {
-        store
-            .append_staged(id, 0, body(&[data]), None, &mut |_| {})
-            .await
-            .unwrap();
+    let mut staged = Vec::new();
+    for i in 0..16 {
+        let id = format!("0000bbbb-0000-0000-0000-{i:012}");
+        let segment = append(store, &id, 0, &[data]).await;
+        staged.push((id, [segment]));
     }
-    let publishes = ids
+    let publishes = staged
         .iter()
-        .map(|id| store.publish_staged(id, data.len() as u64, &key));
+        .map(|(id, acked)| store.publish_staged(id, acked, data.len() as u64, &key));
     for r in futures_util::future::join_all(publishes).await {
         r.unwrap();
     }
     assert_eq!(&store.read_all(&key).await.unwrap()[..], data);
     let left = store.list_staged().await.unwrap();
-    assert!(ids.iter().all(|id| !left.contains(id)));
+    assert!(staged.iter().all(|(id, _)| !left.contains(id)));
 }
 
 /// `list_level` gives the keys (with sizes) and the prefixes directly under a prefix;

@@ -568,10 +568,10 @@ async fn fetch_blob(
                 actual,
             })
         };
-        let len = match written {
-            Ok(len) => len,
+        let (len, segments) = match written {
+            Ok(a) => (a.len, Vec::from_iter(a.segment)),
             Err(e) => {
-                let _ = reg.store.remove_staged(&id).await;
+                let _ = reg.store.remove_staged(&id, &[]).await;
                 return Err(match e {
                     StoreError::Body(io) if io.kind() == std::io::ErrorKind::InvalidData => {
                         ImportError::Upstream(UpstreamError::Corrupt {
@@ -591,12 +591,12 @@ async fn fetch_blob(
         };
         let actual = hasher.finish();
         if &actual != digest || len != size {
-            let _ = reg.store.remove_staged(&id).await;
+            let _ = reg.store.remove_staged(&id, &segments).await;
             return Err(integrity(format!(
                 "{actual} ({len} bytes, {size} expected)"
             )));
         }
-        reg.store.publish_staged(&id, len, &key).await?;
+        reg.store.publish_staged(&id, &segments, len, &key).await?;
         Ok(true)
     }
     .await;
