@@ -365,6 +365,22 @@ async fn cancelled_upload_is_gone() {
         .unwrap()
         .count();
     assert_eq!(staging, 0, "cancelled and empty sessions hold no data");
+    // A session a registry before named segments left mid-upload (bytes acknowledged,
+    // none named): unknown, so the client starts again, rather than read by guesswork.
+    let old = uuid::Uuid::new_v4();
+    std::fs::write(
+        s.data.join(format!("store/_records/uploads/{old}")),
+        r#"{"repo":"r/c","offset":7,"created_unix":1,"updated_unix":1}"#,
+    )
+    .unwrap();
+    let loc = format!("/v2/r/c/blobs/uploads/{old}");
+    for r in [
+        c.get(s.url(&loc)).send().await.unwrap(),
+        c.patch(s.url(&loc)).body("more").send().await.unwrap(),
+    ] {
+        assert_eq!(r.status(), 404);
+        assert_eq!(error_code(r).await, "BLOB_UPLOAD_UNKNOWN");
+    }
 }
 
 #[tokio::test]
