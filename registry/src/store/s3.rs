@@ -1407,6 +1407,13 @@ mod tests {
         a.segment.unwrap()
     }
 
+    async fn collect(s: ByteStream) -> Vec<u8> {
+        s.map(|b| b.unwrap().to_vec())
+            .collect::<Vec<_>>()
+            .await
+            .concat()
+    }
+
     async fn read_all_of(store: &S3Store, key: &ObjectKey) -> Vec<u8> {
         store.read_all(key).await.unwrap().to_vec()
     }
@@ -1433,12 +1440,7 @@ mod tests {
             .read(&key, PART_BYTES as u64 - 10..PART_BYTES as u64 + 10)
             .await
             .unwrap();
-        let got: Vec<u8> = mid
-            .map(|b| b.unwrap().to_vec())
-            .collect::<Vec<_>>()
-            .await
-            .concat();
-        assert_eq!(got, all[PART_BYTES - 10..PART_BYTES + 10]);
+        assert_eq!(collect(mid).await, all[PART_BYTES - 10..PART_BYTES + 10]);
         assert_eq!(store.staged_len(id).await.unwrap(), None);
 
         // One segment of more than a part (one streamed PATCH): linked, not copied.
@@ -1469,14 +1471,13 @@ mod tests {
         store.resolved_lock().clear();
         assert!(store.read_all(&key).await.unwrap() == whole);
         assert_eq!(store.stat(&key).await.unwrap(), Some(whole.len() as u64));
-        let tail: Vec<u8> = store
-            .read(&key, whole.len() as u64 - 5..whole.len() as u64)
-            .await
-            .unwrap()
-            .map(|b| b.unwrap().to_vec())
-            .collect::<Vec<_>>()
-            .await
-            .concat();
+        let tail = collect(
+            store
+                .read(&key, whole.len() as u64 - 5..whole.len() as u64)
+                .await
+                .unwrap(),
+        )
+        .await;
         assert_eq!(tail, whole[whole.len() - 5..]);
         assert!(matches!(
             store
@@ -1534,14 +1535,7 @@ mod tests {
         let lost = append(store, id, 0, &theirs).await;
         assert_ne!(acked, lost);
         let acked = [acked];
-        let read: Vec<u8> = store
-            .read_staged(id, &acked, 3000)
-            .await
-            .unwrap()
-            .map(|b| b.unwrap().to_vec())
-            .collect::<Vec<_>>()
-            .await
-            .concat();
+        let read = collect(store.read_staged(id, &acked, 3000).await.unwrap()).await;
         assert_eq!(read, ours);
         let key = ObjectKey::blob(&amber_oci::digest::Digest::of(
             amber_oci::digest::Algorithm::Sha256,
