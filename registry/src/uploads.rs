@@ -7,10 +7,12 @@
 //! - a session's record is created before any of its staged data, and removed after its
 //!   staged data is dropped or just before it is published (a store may publish staged
 //!   data in place, and a session's removal removes its data); so staged data without a
-//!   record is an orphan, or bytes a crash kept from being published;
+//!   record is an orphan, a crash's leftover, or (s3) the first segment of a published
+//!   blob, which its removal leaves alone;
 //! - the acknowledged offset only moves forward, with compare-and-swap on the record's
 //!   version, after the staged bytes up to it are durable; staged bytes past it belong
-//!   to a request that never finished and are cut off before the next append;
+//!   to a request that never finished and are never read (fs cuts them off before the
+//!   next append; s3 keeps them in objects no segment names);
 //! - two requests writing one session at once (through two replicas) cannot both be
 //!   acknowledged: the second compare-and-swap fails, and its request drops the segment
 //!   it wrote;
