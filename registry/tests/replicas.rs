@@ -241,13 +241,7 @@ async fn a_replica_killed_mid_conversion_and_mid_upload_leaves_both_to_the_other
     let b = replica_with(db.path(), &prefix, &lease);
 
     // An upload started through A, its first chunk acknowledged by A.
-    let r = client()
-        .post(a.url("/v2/team/big/blobs/uploads/"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    let location = r.headers()["location"].to_str().unwrap().to_string();
+    let location = start_upload(&a, "team/big").await;
     let blob = incompressible(3 << 20, 7);
     let half = blob.len() / 2;
     let r = client()
@@ -370,13 +364,7 @@ async fn racing_appends_through_two_replicas_never_publish_the_losers_bytes() {
         let ours = incompressible(256 << 10, 20 + round);
         let theirs = incompressible(256 << 10, 40 + round);
         let digest = sha256(&ours);
-        let r = client()
-            .post(a.url("/v2/team/race/blobs/uploads/"))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 202);
-        let location = r.headers()["location"].to_str().unwrap().to_string();
+        let location = start_upload(&a, "team/race").await;
 
         // B's request has read the session (offset 0) and is receiving its body.
         let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(1);

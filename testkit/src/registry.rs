@@ -294,6 +294,17 @@ pub fn client() -> reqwest::Client {
         .expect("client")
 }
 
+/// Starts an upload session in `repo` (POST, 202); its location.
+pub async fn start_upload(s: &Registry, repo: &str) -> String {
+    let r = client()
+        .post(s.url(&format!("/v2/{repo}/blobs/uploads/")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    r.headers()["location"].to_str().unwrap().to_string()
+}
+
 /// Pushes `data` as a blob of `repo` in one request; asserts 201; returns its digest.
 pub async fn push_blob(s: &Registry, repo: &str, data: &[u8]) -> String {
     let d = sha256(data);
