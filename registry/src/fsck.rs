@@ -1,7 +1,8 @@
 //! `amber-registry fsck`: re-hashes every stored object (blobs by their OCI digest,
 //! layer recipes by the digest of the blob they rebuild, chunks by blake3 of their decompressed bytes, block manifests by their env digest) and
-//! checks the index against the store. Reports problems and changes nothing; `repair`
-//! then removes only unreferenced partial data (staged uploads no session refers to).
+//! checks the index against the store, and looks for upload data nothing refers to.
+//! Reports problems and changes nothing; `repair` then removes only unreferenced partial
+//! data (staged uploads no session refers to).
 
 use amber_converter::manifest::{ChunkId, ManifestEnvelope};
 use futures_util::StreamExt;
@@ -26,6 +27,11 @@ pub enum Problem {
     /// Staged upload data no upload session refers to (left by a crash or an expiry
     /// that did not finish).
     OrphanStaging { id: String, bytes: u64 },
+    /// Upload data kept where a blob could be published from it (s3: `data/`) that no
+    /// blob names and no upload session refers to: a crash between an append and its
+    /// acknowledgement, or between a session's end and its publish. Left for a person:
+    /// a push that ended in between can make a false one, so check it twice.
+    UnlinkedUpload { key: String, bytes: u64 },
 }
 
 impl std::fmt::Display for Problem {
@@ -38,6 +44,10 @@ impl std::fmt::Display for Problem {
             Problem::OrphanStaging { id, bytes } => write!(
                 f,
                 "staged upload data {id} ({bytes} bytes) belongs to no upload session"
+            ),
+            Problem::UnlinkedUpload { key, bytes } => write!(
+                f,
+                "upload data {key} ({bytes} bytes) is named by no blob and no upload session"
             ),
             Problem::MissingObject { digest } => {
                 write!(f, "indexed blob {digest} is missing from the store")
@@ -155,11 +165,7 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
     }
     let staged = reg.store.list_staged().await?;
     for id in &staged {
-        let session = match crate::uploads::SessionId::parse(id) {
-            Some(sid) => reg.upload_session(&sid).await?,
-            None => None,
-        };
-        if session.is_none() {
+        if !in_session(reg, id).await? {
             let bytes = reg.store.staged_len(id).await?.unwrap_or(0);
             problems.push(Problem::OrphanStaging {
                 id: id.clone(),
@@ -167,10 +173,32 @@ pub async fn check(reg: &Registry) -> anyhow::Result<(usize, Vec<Problem>)> {
             });
         }
     }
+    let unlinked = reg.store.unlinked_uploads().await?;
+    for u in &unlinked {
+        if !in_session(reg, &u.id).await? {
+            problems.push(Problem::UnlinkedUpload {
+                key: u.key.clone(),
+                bytes: u.bytes,
+            });
+        }
+    }
     Ok((
-        keys.len() + recipe_keys.len() + chunk_keys.len() + env_keys.len() + staged.len(),
+        keys.len()
+            + recipe_keys.len()
+            + chunk_keys.len()
+            + env_keys.len()
+            + staged.len()
+            + unlinked.len(),
         problems,
     ))
+}
+
+/// Whether upload `id` has a live session (its staged data is still in use).
+async fn in_session(reg: &Registry, id: &str) -> anyhow::Result<bool> {
+    Ok(match crate::uploads::SessionId::parse(id) {
+        Some(sid) => reg.upload_session(&sid).await?.is_some(),
+        None => false,
+    })
 }
 
 /// Removes what `check` found that is unreferenced partial data; returns what was

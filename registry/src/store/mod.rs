@@ -304,6 +304,16 @@ pub struct Appended {
     pub segment: Option<Segment>,
 }
 
+/// Upload data that no published blob names ([`ObjectStore::unlinked_uploads`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnlinkedUpload {
+    /// The upload session id it was staged under.
+    pub id: String,
+    /// Where it is, as the backend names it (for a person to look at).
+    pub key: String,
+    pub bytes: u64,
+}
+
 /// The version of a record as its store sees it (an ETag, or a content hash); compared
 /// only for equality.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -498,6 +508,18 @@ pub trait ObjectStore: Send + Sync + 'static {
 
     /// Ids of every staged object (for recovery and expiry).
     async fn list_staged(&self) -> Result<Vec<String>, StoreError>;
+
+    /// Upload data kept where a blob may be published from it but that no published
+    /// blob names (for fsck): a backend that publishes a single-segment upload where it
+    /// was staged (s3: `data/<id>.<token>`, linked from the blob's key) keeps first
+    /// segments out of [`remove_staged`](Self::remove_staged)'s reach, so one left by a
+    /// crash between an append and its acknowledgement, or between a session's end and
+    /// its publish, is found only here. Data of sessions still in progress is listed too:
+    /// the caller tells them apart. Backends that publish by moving or copying (fs) have
+    /// none.
+    async fn unlinked_uploads(&self) -> Result<Vec<UnlinkedUpload>, StoreError> {
+        Ok(Vec::new())
+    }
 
     /// Keys of every published object starting with `prefix` (for fsck and reindex).
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectKey>, StoreError>;

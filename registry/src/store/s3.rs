@@ -66,7 +66,7 @@ use futures_util::StreamExt;
 
 use super::{
     Appended, ByteStream, Level, ObjectKey, ObjectStore, Observer, RecordKey, Segment, StoreError,
-    Version,
+    UnlinkedUpload, Version,
 };
 
 /// Bytes per multipart part (S3's minimum is 5 MiB, except for the last part).
@@ -93,6 +93,8 @@ const LINK_META: &str = "amber-link";
 const SIZE_META: &str = "amber-size";
 /// Blob keys whose resolution is cached.
 const RESOLVED_CACHE: usize = 65_536;
+/// Blob links read at once when looking for upload data no link names (fsck).
+const LINK_READS: usize = 32;
 
 /// Where the bucket is and how to reach it.
 #[derive(Clone, Debug, Default)]
@@ -1114,6 +1116,32 @@ impl ObjectStore for S3Store {
         Ok(ids)
     }
 
+    async fn unlinked_uploads(&self) -> Result<Vec<UnlinkedUpload>, StoreError> {
+        // Data first, links after: a first segment linked in between is seen linked.
+        let data = self.list_keys(&format!("{}{DATA}", self.prefix)).await?;
+        let mut linked = std::collections::HashSet::new();
+        let blobs = self.list_keys(&format!("{}{LINKABLE}", self.prefix)).await?;
+        let mut heads = futures_util::stream::iter(blobs.into_iter().map(|(k, _)| async move {
+            self.head(&k).await
+        }))
+        .buffer_unordered(LINK_READS);
+        while let Some(r) = heads.next().await {
+            if let Some(Resolved { data, link: true, .. }) = r? {
+                linked.insert(data);
+            }
+        }
+        let at = self.prefix.len() + DATA.len();
+        Ok(data
+            .into_iter()
+            .filter(|(k, _)| !linked.contains(k))
+            .map(|(key, bytes)| UnlinkedUpload {
+                id: key[at..].split('.').next().unwrap_or_default().to_string(),
+                key: key[self.prefix.len()..].to_string(),
+                bytes,
+            })
+            .collect())
+    }
+
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectKey>, StoreError> {
         Ok(self
             .list_sizes(prefix)
@@ -1387,6 +1415,7 @@ mod tests {
             super::super::suite::run(&store).await;
             big_publish_copies_parts(&store).await;
             racing_appends_at_one_offset_never_mix(&store).await;
+            unlinked_uploads_are_found(&store).await;
             ran += 1;
         }
         assert!(ran >= 1);
@@ -1555,5 +1584,44 @@ mod tests {
             name: "../../blobs/x".into(),
         };
         assert!(store.read_staged(id, &[forged], 1).await.is_err());
+    }
+
+    /// A first segment that no link names (its session died before publishing) is
+    /// reported; one a blob links, or one a publish copied and dropped, is not.
+    async fn unlinked_uploads_are_found(store: &S3Store) {
+        let blob = |v: &[u8]| {
+            ObjectKey::blob(&amber_oci::digest::Digest::of(
+                amber_oci::digest::Algorithm::Sha256,
+                v,
+            ))
+        };
+        let linked = "0000cccc-0000-0000-0000-000000000001";
+        let v = vec![5u8; 2000];
+        let seg = append(store, linked, 0, &v).await;
+        store
+            .publish_staged(linked, &[seg], 2000, &blob(&v))
+            .await
+            .unwrap();
+        let copied = "0000cccc-0000-0000-0000-000000000002";
+        let w = vec![6u8; 4000];
+        let s1 = append(store, copied, 0, &w[..1000]).await;
+        let s2 = append(store, copied, 1000, &w[1000..]).await;
+        store
+            .publish_staged(copied, &[s1, s2], 4000, &blob(&w))
+            .await
+            .unwrap();
+        let died = "0000cccc-0000-0000-0000-000000000003";
+        let seg = append(store, died, 0, &[7u8; 1500]).await;
+        let found = store.unlinked_uploads().await.unwrap();
+        let ours: Vec<_> = found.iter().filter(|u| u.id.starts_with("0000cccc")).collect();
+        assert_eq!(
+            ours,
+            [&UnlinkedUpload {
+                id: died.into(),
+                key: format!("{DATA}{died}.{}", seg.name),
+                bytes: 1500,
+            }],
+            "{found:?}"
+        );
     }
 }
