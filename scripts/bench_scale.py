@@ -294,7 +294,8 @@ def bench_bucket_reindex(work, h, images, seed="s3"):
     `seed` says how the bucket is filled: "s3" pushes through a registry on the bucket (and
     measures that ingest); "fs" pushes into a registry on local disk and links its store
     into the bucket's directory, key for key (the fs store and the S3 store name every
-    object and record alike), for sizes whose S3 ingest would take hours here."""
+    object alike; its records, kept in a database, are exported as files named by their
+    keys), for sizes whose S3 ingest would take hours here."""
     work = os.path.join(work, "bucket")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
@@ -320,7 +321,11 @@ def bench_bucket_reindex(work, h, images, seed="s3"):
             store = os.path.join(s.data, "store")
             for leftover in ("_tmp", "_staging"):
                 shutil.rmtree(os.path.join(store, leftover), ignore_errors=True)
-            subprocess.run(["cp", "-al", store, os.path.join(bucket, prefix.rstrip("/"))], check=True)
+            into = os.path.join(bucket, prefix.rstrip("/"))
+            subprocess.run(["cp", "-al", store, into], check=True)
+            shutil.rmtree(os.path.join(into, "_records.db"))
+            subprocess.run([os.path.join(h.TARGET, "release", "amber-registry"), "export-records",
+                            "--data", s.data, "--into", into], check=True, stdout=subprocess.DEVNULL)
             shutil.rmtree(s.data)
         res["bucket"] = du(bucket)
         fresh = os.path.join(work, "replica-data")

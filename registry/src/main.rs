@@ -32,6 +32,18 @@ enum Command {
     },
     /// Rebuild the index from the object store alone (new replica, lost index).
     Reindex(ConfigArgs),
+    /// Write every record of a local-disk store (kept in `<data>/store/_records.db`) as a
+    /// file named by its key under --into: with the store's other directories copied
+    /// beside them, the layout of an S3 store, which a replica over that bucket reindexes
+    /// and serves. Reads a snapshot: the registry may be running.
+    ExportRecords {
+        /// The registry's data directory.
+        #[arg(long)]
+        data: std::path::PathBuf,
+        /// Where the record files go (`<into>/_records/…`).
+        #[arg(long)]
+        into: std::path::PathBuf,
+    },
     /// Copy images from other OCI registries into a running amber registry.
     Import(import_cmd::ImportArgs),
     /// Add accounts to the users file (a running registry picks them up).
@@ -102,9 +114,9 @@ fn main() -> std::process::ExitCode {
     // chunk write); what is left are tasks of no consequence, dropped here.
     runtime.shutdown_timeout(std::time::Duration::from_secs(5));
     if amber_registry::index::Index::open_count() > 0 {
-        // A blocking task still holds the index: `exit` would run RocksDB's static
-        // destructors under it. What it wrote is in the OS already (the write-ahead log
-        // is written on every write); end without the destructors.
+        // A blocking task still holds the index or the fs store's records: `exit` would
+        // run RocksDB's static destructors under it. What it wrote is in the OS already
+        // (the write-ahead log is written on every write); end without the destructors.
         eprintln!(
             "amber-registry: a background task did not stop; exiting without closing the index"
         );
@@ -139,6 +151,15 @@ async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {
             Ok(std::process::ExitCode::SUCCESS)
         }
         Command::Import(args) => import_cmd::run(args).await,
+        Command::ExportRecords { data, into } => {
+            let n = tokio::task::spawn_blocking(move || {
+                amber_registry::store::fs_records::RecordDb::read_only(&data.join("store"))?
+                    .export_files(&into)
+            })
+            .await??;
+            println!("exported {n} records");
+            Ok(std::process::ExitCode::SUCCESS)
+        }
         Command::Reindex(args) => {
             let metrics = amber_registry::metrics::install();
             let s = amber_registry::reindex::reindex(args.resolve()?).await?;

@@ -367,12 +367,19 @@ async fn cancelled_upload_is_gone() {
     assert_eq!(staging, 0, "cancelled and empty sessions hold no data");
     // A session a registry before named segments left mid-upload (bytes acknowledged,
     // none named): unknown, so the client starts again, rather than read by guesswork.
+    // Written as that registry kept records (a file each), imported at the restart.
     let old = uuid::Uuid::new_v4();
+    let file = s.data.join(format!("store/_records/uploads/{old}"));
+    std::fs::create_dir_all(file.parent().unwrap()).unwrap();
     std::fs::write(
-        s.data.join(format!("store/_records/uploads/{old}")),
+        &file,
         r#"{"repo":"r/c","offset":7,"created_unix":1,"updated_unix":1}"#,
     )
     .unwrap();
+    let s = s.restart();
+    assert!(!file.exists(), "imported into the records database");
+    // A new client: the old one's pooled connections went with the old process.
+    let c = client();
     let loc = format!("/v2/r/c/blobs/uploads/{old}");
     for r in [
         c.get(s.url(&loc)).send().await.unwrap(),
@@ -865,9 +872,10 @@ async fn small_monolithic_uploads_are_one_write_on(storage: Storage) {
         let delta: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
         assert_eq!(delta, vec![2, 0, 0, 0], "S3 requests by operation: {OPS:?}");
     } else {
-        let uploads = s.data.join("store/_records/uploads");
-        let left = std::fs::read_dir(&uploads).map(|d| d.count()).unwrap_or(0);
-        assert_eq!(left, 0, "no session record under {uploads:?}");
+        let records =
+            amber_registry::store::fs_records::RecordDb::read_only(&s.data.join("store")).unwrap();
+        let left = records.range("_records/uploads/", None, 10).unwrap();
+        assert_eq!(left, [], "no session record");
         let staged = std::fs::read_dir(s.data.join("store/_staging"))
             .unwrap()
             .count();

@@ -133,14 +133,33 @@ pub struct ManifestWrite<'a> {
     pub referrer: Option<(&'a Digest, serde_json::Value)>,
 }
 
-/// Indexes open in this process (see `Index::open_count`).
+/// RocksDB databases open in this process (see `Index::open_count`).
 static OPEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One RocksDB database open in this process, counted from its open until this is
+/// dropped: its owner keeps it in the field after the database's own, so the count
+/// falls only once the database is closed.
+pub(crate) struct OpenDb(());
+
+impl OpenDb {
+    pub(crate) fn counted() -> OpenDb {
+        OPEN.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        OpenDb(())
+    }
+}
+
+impl Drop for OpenDb {
+    fn drop(&mut self) {
+        OPEN.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
 
 pub struct Index {
     db: DB,
     tag_lock: Mutex<()>,
     /// See `totals`: the is-it-new check and write of one key happen under its stripe.
     stripes: [Mutex<()>; totals::STRIPES],
+    _open: OpenDb,
 }
 
 fn key2(a: &str, b: &str) -> Vec<u8> {
@@ -198,15 +217,16 @@ impl Index {
             db,
             tag_lock: Mutex::new(()),
             stripes: std::array::from_fn(|_| Mutex::new(())),
+            _open: OpenDb::counted(),
         };
-        OPEN.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         index.count_once()?;
         Ok(index)
     }
 
-    /// How many indexes this process has open. A process must not end with one open
-    /// while other threads may still use it: `exit` runs RocksDB's static destructors
-    /// under them (SIGSEGV, or `std::terminate` on a joinable thread).
+    /// How many RocksDB databases (indexes, and the records of fs stores) this process
+    /// has open. A process must not end with one open while other threads may still use
+    /// it: `exit` runs RocksDB's static destructors under them (SIGSEGV, or
+    /// `std::terminate` on a joinable thread).
     pub fn open_count() -> usize {
         OPEN.load(std::sync::atomic::Ordering::SeqCst)
     }
@@ -599,12 +619,6 @@ impl Index {
         b.put_cf(self.cf("chunks"), id, stored.to_le_bytes());
         self.db.write(b)?;
         Ok(())
-    }
-}
-
-impl Drop for Index {
-    fn drop(&mut self) {
-        OPEN.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 

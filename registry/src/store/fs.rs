@@ -1,5 +1,6 @@
 //! The `fs` backend: published objects as files under `<root>/`, staged objects under
-//! `<root>/_staging/`, small puts written through `<root>/_tmp/`.
+//! `<root>/_staging/`, small puts written through `<root>/_tmp/`, records in an embedded
+//! database at `<root>/_records.db` ([`fs_records`](super::fs_records)).
 //!
 //! Publishing is `link(2)` of a complete, fsynced file to its final name followed by an
 //! fsync of the directory: the final name either does not exist or names complete bytes,
@@ -15,6 +16,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use std::io::{Read, Write};
 
+use super::fs_records::RecordDb;
 use super::{
     Appended, ByteStream, Level, ObjectKey, ObjectStore, Observer, RecordKey, Segment, StoreError,
     Version,
@@ -124,13 +126,14 @@ fn stream_file(mut file: std::fs::File, len: u64) -> ByteStream {
 
 pub struct FsStore {
     root: PathBuf,
+    records: std::sync::Arc<RecordDb>,
     /// Serialise the writes of one record (its compare-and-swap); see [`FsStore::record_lock`].
     record_locks: [tokio::sync::Mutex<()>; RECORD_LOCKS],
 }
 
 /// Stripes of record locks. Writes of different records run side by side, so their
-/// fsyncs share the file system's journal commits: one lock for every record held each
-/// write's two fsyncs in turn, and under a loaded disk that capped the whole registry at
+/// syncs share the database's group commits: one lock for every record held each
+/// write's fsyncs in turn, and under a loaded disk that capped the whole registry at
 /// a few dozen record writes a second (pushes, upload sessions and conversions all write
 /// records).
 const RECORD_LOCKS: usize = 64;
@@ -252,8 +255,10 @@ impl FsStore {
         }
         mark_catalog_records(&root)
             .map_err(|e| StoreError::io("renaming catalog records (one-time upgrade)", e))?;
+        let records = std::sync::Arc::new(RecordDb::open(&root)?);
         Ok(FsStore {
             root,
+            records,
             record_locks: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
         })
     }
@@ -638,20 +643,23 @@ impl ObjectStore for FsStore {
             return Ok(Level::default());
         }
         let (root, prefix) = (self.root.clone(), prefix.to_string());
-        tokio::task::spawn_blocking(move || read_level(&root, &prefix, true))
-            .await
-            .map_err(not_finished)?
+        let records = self.records.clone();
+        tokio::task::spawn_blocking(move || {
+            if prefix.starts_with(RecordKey::ALL) {
+                records.level(&prefix)
+            } else {
+                read_level(&root, &prefix, true)
+            }
+        })
+        .await
+        .map_err(not_finished)?
     }
 
     async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError> {
-        match read_whole(self.root.join(key.as_str())).await {
-            Ok(v) => {
-                let version = record_version(&v);
-                Ok(Some((Bytes::from(v), version)))
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(StoreError::io(key.as_str().to_string(), e)),
-        }
+        Ok(self.records.get(key.as_str())?.map(|v| {
+            let version = record_version(&v);
+            (Bytes::from(v), version)
+        }))
     }
 
     async fn put_record(
@@ -665,58 +673,45 @@ impl ObjectStore for FsStore {
         if current.as_ref() != expected {
             return Ok(None);
         }
-        let dst = self.root.join(key.as_str());
-        let tmp = self
-            .root
-            .join("_tmp")
-            .join(uuid::Uuid::new_v4().to_string());
         let version = record_version(&value);
-        let what = key.as_str().to_string();
-        tokio::task::spawn_blocking(move || -> io::Result<()> {
-            use std::io::Write;
-            let dir = dst.parent().expect("records have a parent");
-            std::fs::create_dir_all(dir)?;
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&value)?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, &dst)?;
-            std::fs::File::open(dir)?.sync_all()
-        })
-        .await
-        .map_err(not_finished)?
-        .map_err(|e| StoreError::io(what, e))?;
+        let (records, key) = (self.records.clone(), key.as_str().to_string());
+        tokio::task::spawn_blocking(move || records.put(&key, &value))
+            .await
+            .map_err(not_finished)??;
         Ok(Some(version))
     }
 
     async fn delete_record(&self, key: &RecordKey) -> Result<(), StoreError> {
         let _guard = self.record_lock(key).await;
-        let path = self.root.join(key.as_str());
-        let what = key.as_str().to_string();
-        tokio::task::spawn_blocking(move || -> io::Result<()> {
-            match std::fs::remove_file(&path) {
-                Ok(()) => {
-                    std::fs::File::open(path.parent().expect("records have a parent"))?.sync_all()
-                }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-                Err(e) => Err(e),
-            }
-        })
-        .await
-        .map_err(not_finished)?
-        .map_err(|e| StoreError::io(what, e))
+        let (records, key) = (self.records.clone(), key.as_str().to_string());
+        tokio::task::spawn_blocking(move || records.delete(&key))
+            .await
+            .map_err(not_finished)?
     }
 
     async fn list_records(&self, prefix: &str) -> Result<Vec<RecordKey>, StoreError> {
+        self.list_records_page(prefix, None, usize::MAX).await
+    }
+
+    async fn list_records_page(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<RecordKey>, StoreError> {
         if !prefix.starts_with(RecordKey::ALL) || prefix.contains("..") {
             return Ok(Vec::new());
         }
-        let mut keys: Vec<RecordKey> = walk(self.root.clone(), prefix.to_string(), false)
-            .await?
+        let from = after.map(|a| format!("{prefix}{a}{}", super::after_mark(prefix)));
+        let (records, prefix) = (self.records.clone(), prefix.to_string());
+        let listed =
+            tokio::task::spawn_blocking(move || records.range(&prefix, from.as_deref(), limit))
+                .await
+                .map_err(not_finished)??;
+        Ok(listed
             .iter()
             .filter_map(|(k, _)| RecordKey::parse(k))
-            .collect();
-        keys.sort_by(|a, b| a.as_str().cmp(b.as_str()));
-        Ok(keys)
+            .collect())
     }
 }
 
@@ -769,10 +764,54 @@ mod tests {
             store.list_records(RecordKey::CATALOG).await.unwrap(),
             vec![repo("team/app"), repo("team/app/web")]
         );
-        // Not again: a marked store is left as it is.
-        std::fs::write(dir.path().join("_records/catalog/stray"), b"").unwrap();
-        super::FsStore::open(dir.path()).unwrap();
-        assert!(dir.path().join("_records/catalog/stray").exists());
+    }
+
+    /// The record files of a store from before the records database are imported at
+    /// open, values unchanged, and removed; what was imported before stays.
+    #[tokio::test]
+    async fn record_files_of_an_older_store_are_imported() {
+        use super::super::{ObjectStore, RecordKey};
+        let dir = tempfile::tempdir().unwrap();
+        let files = [
+            ("_records/repos/team/app/_tags/v1", "sha256:aa"),
+            ("_records/repos/team/app/_manifests/sha256:aa", "{}"),
+            (
+                "_records/uploads/0000aaaa-0000-0000-0000-000000000001",
+                "{\"offset\":0}",
+            ),
+            ("_records/.catalog-marked", ""),
+        ];
+        for (k, v) in files {
+            let p = dir.path().join(k);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, v).unwrap();
+        }
+        let store = super::FsStore::open(dir.path()).unwrap();
+        assert!(!dir.path().join("_records").exists());
+        for (k, v) in &files[..3] {
+            let (got, _) = store
+                .get_record(&RecordKey::parse(k).unwrap())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(got, v.as_bytes(), "{k}");
+        }
+        assert_eq!(store.list_records(RecordKey::ALL).await.unwrap().len(), 3);
+        // A store opened again (a file an older registry wrote meanwhile) keeps both.
+        drop(store);
+        let late = dir
+            .path()
+            .join("_records/uploads/0000aaaa-0000-0000-0000-000000000002");
+        std::fs::create_dir_all(late.parent().unwrap()).unwrap();
+        std::fs::write(&late, "{}").unwrap();
+        let store = super::FsStore::open(dir.path()).unwrap();
+        assert_eq!(
+            store.list_records(RecordKey::UPLOADS).await.unwrap().len(),
+            2
+        );
+        // One process owns an fs store: a second open is refused, with its path.
+        let e = super::FsStore::open(dir.path()).err().unwrap().to_string();
+        assert!(e.contains("_records.db"), "{e}");
     }
 
     #[tokio::test]

@@ -23,6 +23,7 @@
 //!   when the work ends; every other record is never removed.
 
 pub mod fs;
+pub mod fs_records;
 pub mod s3;
 #[cfg(test)]
 pub(crate) mod suite;

@@ -1120,13 +1120,20 @@ impl ObjectStore for S3Store {
         // Data first, links after: a first segment linked in between is seen linked.
         let data = self.list_keys(&format!("{}{DATA}", self.prefix)).await?;
         let mut linked = std::collections::HashSet::new();
-        let blobs = self.list_keys(&format!("{}{LINKABLE}", self.prefix)).await?;
-        let mut heads = futures_util::stream::iter(blobs.into_iter().map(|(k, _)| async move {
-            self.head(&k).await
-        }))
+        let blobs = self
+            .list_keys(&format!("{}{LINKABLE}", self.prefix))
+            .await?;
+        let mut heads = futures_util::stream::iter(
+            blobs
+                .into_iter()
+                .map(|(k, _)| async move { self.head(&k).await }),
+        )
         .buffer_unordered(LINK_READS);
         while let Some(r) = heads.next().await {
-            if let Some(Resolved { data, link: true, .. }) = r? {
+            if let Some(Resolved {
+                data, link: true, ..
+            }) = r?
+            {
                 linked.insert(data);
             }
         }
@@ -1613,7 +1620,10 @@ mod tests {
         let died = "0000cccc-0000-0000-0000-000000000003";
         let seg = append(store, died, 0, &[7u8; 1500]).await;
         let found = store.unlinked_uploads().await.unwrap();
-        let ours: Vec<_> = found.iter().filter(|u| u.id.starts_with("0000cccc")).collect();
+        let ours: Vec<_> = found
+            .iter()
+            .filter(|u| u.id.starts_with("0000cccc"))
+            .collect();
         assert_eq!(
             ours,
             [&UnlinkedUpload {
