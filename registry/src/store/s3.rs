@@ -1123,9 +1123,11 @@ impl ObjectStore for S3Store {
         let blobs = self
             .list_keys(&format!("{}{LINKABLE}", self.prefix))
             .await?;
+        // A link is an empty object: only those (and empty blobs) need a HEAD.
         let mut heads = futures_util::stream::iter(
             blobs
                 .into_iter()
+                .filter(|(_, size)| *size == 0)
                 .map(|(k, _)| async move { self.head(&k).await }),
         )
         .buffer_unordered(LINK_READS);
