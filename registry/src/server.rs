@@ -13,6 +13,8 @@ use crate::registry::Registry;
 
 /// Serves on `listener` until SIGINT or SIGTERM. Prints `listening on <addr>` first.
 pub async fn serve(reg: Arc<Registry>, listener: TcpListener) -> anyhow::Result<()> {
+    // The recorder first: the conversions the queue takes back below count from their start.
+    crate::metrics::install();
     let (kept, dropped, orphans) = reg
         .recover_uploads()
         .await

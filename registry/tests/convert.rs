@@ -551,6 +551,11 @@ async fn a_sigterm_mid_conversion_exits_cleanly_and_the_restart_converts_everyth
         !log.contains("conversion failed"),
         "a stopped conversion is not a failure; log:\n{log}"
     );
+    // The big conversion takes seconds, but on a loaded machine it may still finish before
+    // the SIGTERM: then the small one is the conversion the shutdown stops. Either way, the
+    // restart converts exactly what the first process did not finish.
+    let finished_before = log.matches("conversion done").count() as u64;
+    assert!(finished_before <= 1, "both finished before the SIGTERM; log:\n{log}");
 
     // The restart takes both back (the running one's item is this replica's own).
     let s = Server::start_in(tmp.path(), &workers);
@@ -562,7 +567,10 @@ async fn a_sigterm_mid_conversion_exits_cleanly_and_the_restart_converts_everyth
     }
     let metrics = metrics_text(&s).await;
     assert_eq!(metric(&metrics, "amber_conversions_failed_total"), 0);
-    assert_eq!(metric(&metrics, "amber_conversions_started_total"), 2);
+    assert_eq!(
+        metric(&metrics, "amber_conversions_started_total"),
+        2 - finished_before
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
