@@ -291,7 +291,7 @@ def docker_rollouts(image, total, parallel, work):
 
 def bench_node(work, server_cls, quick=False):
     """Runs the three node benchmarks; returns the figures."""
-    amber = os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "amber")
+    amber = os.path.join(sys.modules["__main__"].TARGET, "release", "amber")  # bench.py's
     s = server_cls("amber+convert", work)
     res = {}
     try:

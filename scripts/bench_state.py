@@ -149,7 +149,7 @@ async def pause_cost(node, ref):
 
 
 def bench_state(work, server_cls, wait_converted, quick=False):
-    amber = os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "amber")
+    amber = os.path.join(sys.modules["__main__"].TARGET, "release", "amber")  # bench.py's
     rootfs = os.path.join(ROOT, ".run", "cache", "debian-bookworm-v2.tar")
     if not os.path.exists(rootfs):
         os.makedirs(os.path.dirname(rootfs), exist_ok=True)
