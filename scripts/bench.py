@@ -32,7 +32,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.environ.get("AMBER_RUN_DIR", os.path.join(ROOT, ".run"))
-TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "amber", "target"))
+TARGET = os.environ.get("CARGO_TARGET_DIR", os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "amber-target"))
 
 
 def free_port():

@@ -76,7 +76,7 @@ build_env() {
   export ROCKSDB_LIB_DIR=/usr/lib/x86_64-linux-gnu
   export ROCKSDB_INCLUDE_DIR=/usr/include
   export ROCKSDB_STATIC=1
-  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/amber/target}
+  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/amber-target}
   export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 }
 
