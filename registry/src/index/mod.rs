@@ -162,6 +162,28 @@ pub struct Index {
     _open: OpenDb,
 }
 
+/// Table options for a database read by point lookups (the index, the fs store's records):
+/// data, index and bloom filter blocks in `cache`, so memory stays bounded as the
+/// database grows.
+///
+/// The index and filter of a table are partitioned (blocks of about 4 KiB under a small
+/// top level, pinned): whole, a table of a few million keys has a filter of megabytes,
+/// larger than a shard of the cache (1/64 of it), so the cache dropped it again at once
+/// and every lookup read and checksummed it from the file. That was 40% of the registry's
+/// CPU at 10,000 images, and ingest fell from 91 to 27 images/s.
+pub(crate) fn lookup_tables(cache: &rocksdb::Cache) -> rocksdb::BlockBasedOptions {
+    let mut table = rocksdb::BlockBasedOptions::default();
+    table.set_block_cache(cache);
+    table.set_bloom_filter(BLOOM_BITS_PER_KEY, false);
+    table.set_index_type(rocksdb::BlockBasedIndexType::TwoLevelIndexSearch);
+    table.set_partition_filters(true);
+    table.set_metadata_block_size(4096);
+    table.set_cache_index_and_filter_blocks(true);
+    table.set_pin_top_level_index_and_filter(true);
+    table.set_pin_l0_filter_and_index_blocks_in_cache(true);
+    table
+}
+
 fn key2(a: &str, b: &str) -> Vec<u8> {
     let mut k = Vec::with_capacity(a.len() + b.len() + 1);
     k.extend_from_slice(a.as_bytes());
@@ -189,12 +211,7 @@ impl Index {
         // That budget flushes memtables sooner, so a point lookup (a manifest by digest,
         // a tag, a blob) meets more level-0 files: a bloom filter per file turns each
         // file that cannot hold the key into a probe in memory instead of a block read.
-        let cache = rocksdb::Cache::new_lru_cache(INDEX_BLOCK_CACHE)?;
-        let mut table = rocksdb::BlockBasedOptions::default();
-        table.set_block_cache(&cache);
-        table.set_bloom_filter(BLOOM_BITS_PER_KEY, false);
-        table.set_cache_index_and_filter_blocks(true);
-        table.set_pin_l0_filter_and_index_blocks_in_cache(true);
+        let table = lookup_tables(&rocksdb::Cache::new_lru_cache(INDEX_BLOCK_CACHE)?);
         let cfs = CFS.iter().map(|n| {
             let mut o = Options::default();
             o.set_block_based_table_factory(&table);

@@ -84,12 +84,7 @@ impl RecordDb {
         opts.set_bottommost_compression_type(rocksdb::DBCompressionType::Zstd);
         let cache = rocksdb::Cache::new_lru_cache(BLOCK_CACHE)
             .map_err(|e| db_err("records database block cache", e))?;
-        let mut table = rocksdb::BlockBasedOptions::default();
-        table.set_block_cache(&cache);
-        table.set_bloom_filter(10.0, false);
-        table.set_cache_index_and_filter_blocks(true);
-        table.set_pin_l0_filter_and_index_blocks_in_cache(true);
-        opts.set_block_based_table_factory(&table);
+        opts.set_block_based_table_factory(&crate::index::lookup_tables(&cache));
         let db = DB::open(&opts, &path)
             .map_err(|e| db_err(format!("records database {}", path.display()), e))?;
         let records = RecordDb {
