@@ -169,8 +169,8 @@ pub struct Index {
 /// The index and filter of a table are partitioned (blocks of about 4 KiB under a small
 /// top level, pinned): whole, a table of a few million keys has a filter of megabytes,
 /// larger than a shard of the cache (1/64 of it), so the cache dropped it again at once
-/// and every lookup read and checksummed it from the file. That was 40% of the registry's
-/// CPU at 10,000 images, and ingest fell from 91 to 27 images/s.
+/// and every lookup read and checksummed it from the file: 40% of the registry's CPU in
+/// the records database's lookups at 10,000 images of the scale benchmark (6% after).
 pub(crate) fn lookup_tables(cache: &rocksdb::Cache) -> rocksdb::BlockBasedOptions {
     let mut table = rocksdb::BlockBasedOptions::default();
     table.set_block_cache(cache);
