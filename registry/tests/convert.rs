@@ -555,7 +555,10 @@ async fn a_sigterm_mid_conversion_exits_cleanly_and_the_restart_converts_everyth
     // the SIGTERM: then the small one is the conversion the shutdown stops. Either way, the
     // restart converts exactly what the first process did not finish.
     let finished_before = log.matches("conversion done").count() as u64;
-    assert!(finished_before <= 1, "both finished before the SIGTERM; log:\n{log}");
+    assert!(
+        finished_before <= 1,
+        "both finished before the SIGTERM; log:\n{log}"
+    );
 
     // The restart takes both back (the running one's item is this replica's own).
     let s = Server::start_in(tmp.path(), &workers);
