@@ -275,10 +275,19 @@ impl S3Store {
         // chunks against their blake3. The SDK's own response checksums are only checked
         // when asked for, because S3-compatible servers get them wrong for objects made by
         // UploadPartCopy (s3s-fs 0.14 sends the checksum of the copy's source).
+        // Requests carry a checksum only where S3 requires one, for the same reason: the
+        // SDK's default computes a CRC32 of every PutObject and UploadPart body and sends
+        // it as an aws-chunked trailer, which costs the push a pass over every byte on
+        // both sides (about 12% of an S3 push in BENCHMARKS.md) and which several
+        // S3-compatible services do not accept. What S3 stores is checked on every read
+        // against the digest that names it, and TLS covers the wire.
         let conf = aws_sdk_s3::config::Builder::from(&shared)
             .force_path_style(s.path_style)
             .response_checksum_validation(
                 aws_sdk_s3::config::ResponseChecksumValidation::WhenRequired,
+            )
+            .request_checksum_calculation(
+                aws_sdk_s3::config::RequestChecksumCalculation::WhenRequired,
             )
             .interceptor(CountRequests)
             .build();
