@@ -53,6 +53,7 @@ pub struct FileConfig {
     pub max_manifest_bytes: Option<usize>,
     pub immutable_tags: Option<Vec<String>>,
     pub convert_workers: Option<usize>,
+    pub chunk_zstd_level: Option<i32>,
     pub conversion_lease_secs: Option<u64>,
     pub upstreams: Option<Vec<String>>,
     pub upstream_auth_file: Option<PathBuf>,
@@ -133,6 +134,10 @@ pub struct ConfigArgs {
     /// Images converted at once (0 queues conversions without running them).
     #[arg(long, env = "AMBER_CONVERT_WORKERS")]
     pub convert_workers: Option<usize>,
+    /// zstd level (1-19) of the chunks conversions write: lower converts faster and
+    /// stores more (BENCHMARKS.md, "Conversion that costs only what is new").
+    #[arg(long, env = "AMBER_CHUNK_ZSTD_LEVEL")]
+    pub chunk_zstd_level: Option<i32>,
     /// Seconds a replica holds a conversion without renewing its lease; after that any
     /// replica over the same store may take the conversion over (a replica that died).
     #[arg(long, env = "AMBER_CONVERSION_LEASE_SECS")]
@@ -168,6 +173,7 @@ pub struct Config {
     pub max_manifest_bytes: usize,
     pub immutable_tags: Vec<String>,
     pub convert_workers: usize,
+    pub chunk_zstd_level: i32,
     pub conversion_lease_secs: u64,
     pub upstreams: Vec<crate::mirrors::UpstreamSpec>,
     pub upstream_auth_file: Option<PathBuf>,
@@ -199,6 +205,7 @@ impl Default for Config {
             convert_workers: std::thread::available_parallelism()
                 .map(|n| n.get().max(4))
                 .unwrap_or(4),
+            chunk_zstd_level: crate::convert::CHUNK_ZSTD_LEVEL,
             conversion_lease_secs: 60,
             upstreams: Vec::new(),
             upstream_auth_file: None,
@@ -303,6 +310,10 @@ impl ConfigArgs {
                 .convert_workers
                 .or(file.convert_workers)
                 .unwrap_or(d.convert_workers),
+            chunk_zstd_level: self
+                .chunk_zstd_level
+                .or(file.chunk_zstd_level)
+                .unwrap_or(d.chunk_zstd_level),
             conversion_lease_secs: self
                 .conversion_lease_secs
                 .or(file.conversion_lease_secs)
@@ -333,6 +344,12 @@ impl ConfigArgs {
                     "auth {other:?} is not one of: none, token"
                 )))
             }
+        }
+        if !(1..=19).contains(&cfg.chunk_zstd_level) {
+            return Err(ConfigError::Invalid(format!(
+                "chunk_zstd_level {} is not a zstd level from 1 to 19",
+                cfg.chunk_zstd_level
+            )));
         }
         if cfg.auth == "none" && !cfg.listen.ip().is_loopback() {
             return Err(ConfigError::Invalid(format!(
@@ -444,6 +461,15 @@ mod tests {
         .resolve()
         .unwrap_err();
         assert!(err.to_string().contains("or neither"), "{err}");
+        for level in [0, 20, -3] {
+            let err = ConfigArgs {
+                chunk_zstd_level: Some(level),
+                ..Default::default()
+            }
+            .resolve()
+            .unwrap_err();
+            assert!(err.to_string().contains("from 1 to 19"), "{err}");
+        }
     }
 
     #[test]

@@ -32,9 +32,11 @@ use amber_oci::names::RepoName;
 pub const BLOCK_MANIFEST_TYPE: &str = amber_oci::media::BLOCK_MANIFEST_ARTIFACT;
 /// The referrer artifact's layer: the envelope JSON as one zstd frame.
 pub const BLOCK_MANIFEST_ZSTD_TYPE: &str = amber_oci::media::BLOCK_MANIFEST_LAYER;
-/// zstd level of new chunks. Only chunks the store does not have yet are compressed, so
-/// a slower, tighter level costs little once a corpus shares its bases (corpus
-/// benchmark: level 9 stores 7% less than level 3).
+/// Default zstd level of new chunks (`chunk_zstd_level`). Only chunks the store does not
+/// have yet are compressed, but a task image still brings megabytes of new files, and
+/// compressing them is most of a conversion's CPU. Corpus benchmark (200 task images, 2
+/// cores, pushed in turn): level 9 stores 8% less than level 3, and the corpus is usable
+/// 108 s after the first push against 76 s with level 3 (level 6: 102 s, 1.6% more).
 pub const CHUNK_ZSTD_LEVEL: i32 = 9;
 /// Largest envelope accepted when decompressing one (a 10 GiB device in 256 KiB
 /// extents is about 6 MiB of JSON).
@@ -141,7 +143,7 @@ fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io:
         return Ok(0);
     }
     let (name, key) = (id.to_string(), ObjectKey::chunk(&id));
-    let compressed = compress_chunk(data)?;
+    let compressed = compress_chunk(data, reg.config.chunk_zstd_level)?;
     let size = compressed.len() as u64;
     handle
         .block_on(reg.store.put(&key, Bytes::from(compressed)))
@@ -171,20 +173,20 @@ fn chunk_stored(reg: &Registry, handle: &Handle, id: &ChunkId) -> io::Result<boo
     }
 }
 
-/// `data` as one zstd frame at [`CHUNK_ZSTD_LEVEL`], with a compression context kept per
-/// thread: a fresh context per chunk spent a tenth of a conversion allocating and
-/// clearing its tables.
-fn compress_chunk(data: &[u8]) -> io::Result<Vec<u8>> {
+/// `data` as one zstd frame at `level`, with a compression context kept per thread: a
+/// fresh context per chunk spent a tenth of a conversion allocating and clearing its
+/// tables.
+fn compress_chunk(data: &[u8], level: i32) -> io::Result<Vec<u8>> {
     thread_local! {
-        static COMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
+        static COMPRESSOR: std::cell::RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
             const { std::cell::RefCell::new(None) };
     }
     COMPRESSOR.with(|c| {
         let mut c = c.borrow_mut();
-        if c.is_none() {
-            *c = Some(zstd::bulk::Compressor::new(CHUNK_ZSTD_LEVEL)?);
+        if c.as_ref().is_none_or(|(l, _)| *l != level) {
+            *c = Some((level, zstd::bulk::Compressor::new(level)?));
         }
-        c.as_mut().expect("made above").compress(data)
+        c.as_mut().expect("made above").1.compress(data)
     })
 }
 
