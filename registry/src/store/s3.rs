@@ -278,7 +278,7 @@ impl S3Store {
         // Requests carry a checksum only where S3 requires one, for the same reason: the
         // SDK's default computes a CRC32 of every PutObject and UploadPart body and sends
         // it as an aws-chunked trailer, which costs the push a pass over every byte on
-        // both sides (about 12% of an S3 push in BENCHMARKS.md) and which several
+        // both sides (a fifth of an S3 push in BENCHMARKS.md) and which several
         // S3-compatible services do not accept. What S3 stores is checked on every read
         // against the digest that names it, and TLS covers the wire.
         let conf = aws_sdk_s3::config::Builder::from(&shared)
