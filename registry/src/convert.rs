@@ -291,6 +291,14 @@ struct Layer {
     uncompressed: bool,
 }
 
+/// What converting an image gave: its env digest, and the envelope when this conversion
+/// made it (not when the env was reused), so the caller can note it without reading it
+/// back from the store.
+pub(crate) struct ImageConverted {
+    pub env: String,
+    pub envelope: Option<ManifestEnvelope>,
+}
+
 /// Converts one stored image manifest; returns its env digest. Work done before for the
 /// same lower layers is reused (`amber_converter::chain`): the layers below the longest
 /// kept chain are not read, and an image whose every layer was converted before (the
@@ -300,7 +308,7 @@ pub(crate) fn convert_image(
     handle: &Handle,
     repo: &str,
     image: &Digest,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<ImageConverted> {
     let repo = RepoName::parse(repo)?;
     let bytes = handle.block_on(reg.store.read_all(&ObjectKey::blob(image)))?;
     let v: Value = serde_json::from_slice(&bytes)?;
@@ -344,13 +352,16 @@ pub(crate) fn convert_image(
         Some(key) => converted_chain(reg, handle, key)?,
         None => None,
     };
-    let (env, envelope) = match reused {
-        Some(done) => {
+    let (env, envelope, made) = match reused {
+        Some((env, envelope)) => {
             metrics::counter!(CONVERT_LAYERS_REUSED).increment(layers.len() as u64);
-            tracing::info!(%image, env = %done.0, "every layer converted before: env reused");
-            done
+            tracing::info!(%image, %env, "every layer converted before: env reused");
+            (env, envelope, None)
         }
-        None => convert_and_keep(reg, handle, image, &layers, &keys)?,
+        None => {
+            let (env, envelope, made) = convert_and_keep(reg, handle, image, &layers, &keys)?;
+            (env, envelope, Some(made))
+        }
     };
     publish_referrer(
         reg,
@@ -362,7 +373,10 @@ pub(crate) fn convert_image(
         &envelope,
         &env,
     )?;
-    Ok(env)
+    Ok(ImageConverted {
+        env,
+        envelope: made,
+    })
 }
 
 /// Converts the image from the longest kept chain of its layers (or all of them), stores
@@ -374,7 +388,7 @@ fn convert_and_keep(
     image: &Digest,
     layers: &[Layer],
     keys: &[ChainKey],
-) -> anyhow::Result<(String, Bytes)> {
+) -> anyhow::Result<(String, Bytes, ManifestEnvelope)> {
     let start = match keys.len() {
         0 => None,
         n => longest_kept_chain(reg, handle, &keys[..n - 1])?,
@@ -446,7 +460,7 @@ fn convert_and_keep(
             keep_as_recipe(reg, handle, layer, &packed);
         }
     }
-    Ok((env.to_string(), envelope_bytes))
+    Ok((env.to_string(), envelope_bytes, envelope))
 }
 
 /// Replaces an uncompressed layer blob (at least `recipe::MIN_BLOB` bytes) by its recipe when chunks hold most of it

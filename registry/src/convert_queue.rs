@@ -391,18 +391,20 @@ async fn claim_and_convert(reg: &Arc<Registry>, image: &Digest) -> anyhow::Resul
     }
 
     c.updated_unix = now_unix();
-    match result {
-        Ok(env) => {
+    let made = match result {
+        Ok(converted) => {
             c.state = ConversionState::Done;
-            c.env_digest = Some(env);
+            c.env_digest = Some(converted.env);
+            converted.envelope
         }
         Err(e) => {
             metrics::counter!(CONVERSIONS_FAILED).increment(1);
             tracing::warn!(%image, error = %format!("{e:#}"), "conversion failed");
             c.state = ConversionState::Failed;
             c.error = Some(format!("{e:#}"));
+            None
         }
-    }
+    };
     let kept = reg.record_conversion(image, &c).await?;
     reg.store
         .delete_record(&RecordKey::conversion_work(image))
@@ -412,8 +414,13 @@ async fn claim_and_convert(reg: &Arc<Registry>, image: &Digest) -> anyhow::Resul
             reg.index.finish_conversion(image, env, &kept)?;
             tracing::info!(%image, %env, "conversion done");
             // The env's summary for the catalog pages and the totals (derived: a failure
-            // here is retried by the next view or restart).
-            if let Err(e) = crate::envs::info(reg, env).await {
+            // here is retried by the next view or restart), from the envelope this
+            // conversion made when it is the one recorded.
+            let summarized = match made.as_ref().filter(|m| m.env_digest.to_string() == *env) {
+                Some(envelope) => crate::envs::info_of(reg, env, envelope).await,
+                None => crate::envs::info(reg, env).await,
+            };
+            if let Err(e) = summarized {
                 tracing::warn!(%env, error = %e, "summarizing the new env");
             }
         }
