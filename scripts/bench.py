@@ -818,6 +818,12 @@ def corpus_layout(work, count):
     return layout, json.load(open(os.path.join(layout, "corpus.json")))
 
 
+def push_task(layout, t, addr):
+    """Pushes one corpus task image with skopeo as corpus/<repository>:<version>; its wall time."""
+    return timed(["skopeo", "copy", "-q", "--dest-tls-verify=false", f"oci:{layout}:{t['ref']}",
+                  f"docker://{addr}/corpus/{t['repository']}:{t['version']}"])
+
+
 def bench_corpus(work, count):
     """Pushes every task image of the corpus in turn to distribution, then to amber
     (waiting for each conversion), and records after each image what each stores."""
@@ -835,8 +841,7 @@ def bench_corpus(work, count):
             before = dir_bytes(store)
             for i, t in enumerate(tasks):
                 name, tag = f"corpus/{t['repository']}", t["version"]
-                dt = timed(["skopeo", "copy", "-q", "--dest-tls-verify=false", f"oci:{layout}:{t['ref']}",
-                            f"docker://{s.addr}/{name}:{tag}"])
+                dt = push_task(layout, t, s.addr)
                 if kind == "distribution":
                     after = dir_bytes(store)
                     grew.append(after - before)
@@ -881,8 +886,7 @@ def bench_corpus(work, count):
         try:
             cpu0, t0 = s.cpu_seconds(), time.monotonic()
             for t in tasks:
-                timed(["skopeo", "copy", "-q", "--dest-tls-verify=false", f"oci:{layout}:{t['ref']}",
-                       f"docker://{s.addr}/corpus/{t['repository']}:{t['version']}"])
+                push_task(layout, t, s.addr)
             pushed = time.monotonic() - t0
             for t in tasks:
                 wait_converted(s.addr, f"corpus/{t['repository']}", t["version"])

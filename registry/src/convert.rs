@@ -32,14 +32,6 @@ use amber_oci::names::RepoName;
 pub const BLOCK_MANIFEST_TYPE: &str = amber_oci::media::BLOCK_MANIFEST_ARTIFACT;
 /// The referrer artifact's layer: the envelope JSON as one zstd frame.
 pub const BLOCK_MANIFEST_ZSTD_TYPE: &str = amber_oci::media::BLOCK_MANIFEST_LAYER;
-/// Default zstd level of new chunks (`chunk_zstd_level`). Only chunks the store does not
-/// have yet are compressed, but a task image still brings megabytes of new files, and
-/// compressing them is most of a conversion's CPU. Corpus benchmark (200 task images, 2
-/// cores, pushed in turn, conversions beside the pushes): level 9 stores 8% less than
-/// level 3, which keeps the store under half of distribution's; the corpus was usable
-/// 105 s after the first push, against 79 s with level 3 (level 6, in another run:
-/// 102 s against level 9's 108 s, for 1.6% more bytes).
-pub const CHUNK_ZSTD_LEVEL: i32 = 9;
 /// Largest envelope accepted when decompressing one (a 10 GiB device in 256 KiB
 /// extents is about 6 MiB of JSON).
 const MAX_ENVELOPE: usize = 256 << 20;
@@ -359,8 +351,8 @@ pub(crate) fn convert_image(
             (env, envelope, None)
         }
         None => {
-            let (env, envelope, made) = convert_and_keep(reg, handle, image, &layers, &keys)?;
-            (env, envelope, Some(made))
+            let (envelope, made) = convert_and_keep(reg, handle, image, &layers, &keys)?;
+            (made.env_digest.to_string(), envelope, Some(made))
         }
     };
     publish_referrer(
@@ -381,14 +373,14 @@ pub(crate) fn convert_image(
 
 /// Converts the image from the longest kept chain of its layers (or all of them), stores
 /// its envelope, then the chain states it kept and the memo of its whole chain; returns
-/// the env digest and the stored envelope.
+/// the stored envelope and the envelope itself (which names the env).
 fn convert_and_keep(
     reg: &Arc<Registry>,
     handle: &Handle,
     image: &Digest,
     layers: &[Layer],
     keys: &[ChainKey],
-) -> anyhow::Result<(String, Bytes, ManifestEnvelope)> {
+) -> anyhow::Result<(Bytes, ManifestEnvelope)> {
     let start = match keys.len() {
         0 => None,
         n => longest_kept_chain(reg, handle, &keys[..n - 1])?,
@@ -460,7 +452,7 @@ fn convert_and_keep(
             keep_as_recipe(reg, handle, layer, &packed);
         }
     }
-    Ok((env.to_string(), envelope_bytes, envelope))
+    Ok((envelope_bytes, envelope))
 }
 
 /// Replaces an uncompressed layer blob (at least `recipe::MIN_BLOB` bytes) by its recipe when chunks hold most of it
