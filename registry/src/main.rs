@@ -6,6 +6,14 @@ use clap::{Parser, Subcommand};
 
 use amber_registry::config::ConfigArgs;
 
+/// jemalloc rather than glibc's malloc: under 64 concurrent catalog reads right after an
+/// ingest, glibc's arena locks and `malloc_consolidate` took about 40% of the registry's
+/// CPU (catalog pages 6,800 req/s with glibc, 18,600 with jemalloc, at 20,000 images).
+/// mimalloc was as fast but peaked at 2.2 GiB resident during that ingest (a heap per
+/// blocking thread, up to 167 of them), against 260 MiB with jemalloc and 190 with glibc.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser)]
 #[command(
     name = "amber-registry",
