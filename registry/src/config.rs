@@ -11,11 +11,11 @@ use serde::Deserialize;
 
 /// Default zstd level of the chunks conversions write (`chunk_zstd_level`). Only chunks
 /// the store does not have yet are compressed, but a task image still brings megabytes
-/// of new files, and compressing them is most of a conversion's CPU. Corpus benchmark (200 task images, 2
-/// cores, pushed in turn, conversions beside the pushes): level 9 stores 8% less than
-/// level 3, which keeps the store under half of distribution's; the corpus was usable
-/// 105 s after the first push, against 79 s with level 3 (level 6, in another run:
-/// 102 s against level 9's 108 s, for 1.6% more bytes).
+/// of new files, and compressing them is most of a conversion's CPU. Corpus benchmark
+/// (200 task images, 2 cores, pushed in turn, conversions beside the pushes): level 9
+/// stores 8% less than level 3, which keeps the store under half of distribution's; the
+/// corpus was usable 105 s after the first push, against 79 s with level 3 (level 6, in
+/// another run: 102 s against level 9's 108 s, for 1.6% more bytes).
 pub const CHUNK_ZSTD_LEVEL: i32 = 9;
 
 /// Which object store backend holds content.

@@ -373,7 +373,7 @@ pub(crate) fn convert_image(
 
 /// Converts the image from the longest kept chain of its layers (or all of them), stores
 /// its envelope, then the chain states it kept and the memo of its whole chain; returns
-/// the stored envelope and the envelope itself (which names the env).
+/// the envelope's stored bytes and the envelope (whose `env_digest` names the env).
 fn convert_and_keep(
     reg: &Arc<Registry>,
     handle: &Handle,
