@@ -25,6 +25,7 @@
 pub mod api;
 pub mod auth;
 pub mod blocking;
+pub mod bytes_cache;
 pub mod clock;
 pub mod config;
 pub mod convert;
@@ -33,6 +34,7 @@ pub mod docker_config;
 pub mod envs;
 pub mod fsck;
 pub mod index;
+pub mod manifest_cache;
 pub mod metrics;
 pub mod mirrors;
 pub mod recipe;

@@ -16,6 +16,9 @@ pub const S3_REQUESTS: &str = "amber_s3_requests_total";
 /// Object reads answered with a redirect to a presigned URL.
 pub const REDIRECTS: &str = "amber_presigned_redirects_total";
 
+/// How often the histograms' recorded samples are drained into their buckets.
+const UPKEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// Installs the process-wide recorder once and returns its handle.
@@ -30,6 +33,19 @@ pub fn install() -> PrometheusHandle {
                 .expect("bucket list is not empty")
                 .build_recorder();
             let handle = recorder.handle();
+            // A histogram keeps every sample it records until they are drained into its
+            // buckets: by a render (a scrape of /metrics) or by upkeep. Without a scraper
+            // that was 8 bytes more memory per request, for as long as the process ran
+            // (about 576 MB an hour at 20,000 requests a second). Upkeep drains them
+            // every few seconds whether or not anything scrapes.
+            let upkeep = handle.clone();
+            std::thread::Builder::new()
+                .name("metrics-upkeep".into())
+                .spawn(move || loop {
+                    std::thread::sleep(UPKEEP_EVERY);
+                    upkeep.run_upkeep();
+                })
+                .expect("spawning the metrics upkeep thread");
             // Another recorder may be installed already (tests in one process); then the
             // handle still renders, just without that process's other metrics.
             let _ = metrics::set_global_recorder(recorder);

@@ -50,6 +50,8 @@ pub struct Registry {
     pub config: Config,
     pub index: Index,
     pub store: Arc<dyn ObjectStore>,
+    /// The bytes of manifests served lately (`manifest_cache_bytes`).
+    pub manifests: crate::manifest_cache::ManifestCache,
     sessions: Mutex<HashMap<String, SessionLock>>,
     /// Accounts and tokens when authentication is on (`auth = "token"`).
     pub auth: Option<crate::auth::Auth>,
@@ -98,6 +100,7 @@ impl Registry {
                 config.upstreams.clone(),
                 config.upstream_auth_file.clone(),
             ),
+            manifests: crate::manifest_cache::ManifestCache::new(config.manifest_cache_bytes),
             config,
             index,
             store,

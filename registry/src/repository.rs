@@ -199,7 +199,7 @@ pub async fn image_conversion(
     use amber_oci::manifest::ManifestKind;
     let mut image = digest.clone();
     if ManifestKind::of(media_type) == Some(ManifestKind::Index) {
-        let bytes = reg.store.read_all(&ObjectKey::blob(digest)).await?;
+        let bytes = reg.manifests.read(reg.store.as_ref(), digest).await?;
         let index = parse_manifest(&bytes, Some(media_type)).map_err(|source| {
             LookupError::CorruptIndex {
                 digest: digest.clone(),

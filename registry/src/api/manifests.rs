@@ -10,7 +10,6 @@ use futures_util::StreamExt;
 use super::{header_str, AppState};
 use crate::api::error::{ApiError, ApiResult};
 use crate::index::ManifestRecord;
-use crate::store::ObjectKey;
 use amber_oci::digest::Digest;
 use amber_oci::names::{Reference, RepoName};
 
@@ -65,7 +64,7 @@ pub async fn get(reg: &AppState, name: RepoName, r: Reference, head: bool) -> Ap
     let body = if head {
         axum::body::Body::empty()
     } else {
-        let bytes = reg.store.read_all(&ObjectKey::blob(&digest)).await?;
+        let bytes = reg.manifests.read(reg.store.as_ref(), &digest).await?;
         metrics::counter!(crate::metrics::BYTES_OUT).increment(bytes.len() as u64);
         axum::body::Body::from(bytes)
     };

@@ -658,7 +658,7 @@ impl ObjectStore for FsStore {
     async fn get_record(&self, key: &RecordKey) -> Result<Option<(Bytes, Version)>, StoreError> {
         Ok(self.records.get(key.as_str())?.map(|v| {
             let version = record_version(&v);
-            (Bytes::from(v), version)
+            (v, version)
         }))
     }
 
@@ -675,7 +675,7 @@ impl ObjectStore for FsStore {
         }
         let version = record_version(&value);
         let (records, key) = (self.records.clone(), key.as_str().to_string());
-        tokio::task::spawn_blocking(move || records.put(&key, &value))
+        tokio::task::spawn_blocking(move || records.put(&key, value))
             .await
             .map_err(not_finished)??;
         Ok(Some(version))
