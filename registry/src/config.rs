@@ -19,8 +19,8 @@ use serde::Deserialize;
 pub const CHUNK_ZSTD_LEVEL: i32 = 9;
 
 /// Default bytes of manifests held in memory for GETs (`manifest_cache_bytes`): about
-/// 50,000 task-image manifests of a kilobyte or so, within the registry's memory goal
-/// (peak RSS under 512 MiB at a million images).
+/// 50,000 task-image manifests of a kilobyte or so. What it adds to peak RSS at a million
+/// images (goal: under 512 MiB) has not been measured yet.
 pub const MANIFEST_CACHE_BYTES: usize = 64 << 20;
 
 /// Which object store backend holds content.
