@@ -12,7 +12,10 @@ use common::*;
 #[test]
 fn a_big_image_boots_lazily_and_a_corrupt_chunk_is_an_integrity_error() {
     let data = tempfile::tempdir().unwrap();
-    let reg = Registry::start_in(data.path(), &[]);
+    // No manifests held in the registry's memory: the tampering below edits the store's
+    // files, and a held manifest would be served unchanged (the registry's cache is what
+    // a user gets; the node's verification is what this test is about).
+    let reg = Registry::start_in(data.path(), &["--manifest-cache-bytes", "0"]);
     let node = Node::setup(&reg);
     debian_base();
     let image = format!("{}/lazy/big:v1", reg.addr);
