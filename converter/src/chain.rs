@@ -27,7 +27,7 @@ use crate::chunk::DataLocation;
 use crate::tree::Inode;
 
 /// Changes whenever a state's meaning changes (tree rules, layout or chunking rules).
-pub const CHAIN_FORMAT: u32 = 1;
+pub const CHAIN_FORMAT: u32 = 2;
 const MAGIC: &[u8; 8] = b"amberch1";
 /// Largest decoded state accepted (a tree of ten million entries is about 1 GiB).
 const MAX_STATE: u64 = 2 << 30;

@@ -195,6 +195,8 @@ impl<'a> Chunker<'a> {
 
     /// Metadata at device offset `offset` (block aligned), cut every MAX_CHUNK.
     pub fn metadata(&mut self, offset: u64, data: &[u8]) -> io::Result<()> {
+        // A pack holds consecutive files: metadata after them ends it.
+        self.flush_pack()?;
         for (i, piece) in data.chunks(MAX_CHUNK as usize).enumerate() {
             self.emit(offset + i as u64 * MAX_CHUNK, piece)?;
         }

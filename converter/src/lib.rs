@@ -209,10 +209,14 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
     if let Some(src) = source.as_deref_mut() {
         chunker = chunker.with_source(src as &mut dyn ChunkSource);
     }
-    chunker
-        .metadata(0, &image.meta)
-        .map_err(io_err("storing metadata chunks"))?;
+    // Device order: each metadata segment after the files laid out before it.
+    let mut segments = image.meta.iter().peekable();
     for f in &image.files {
+        while let Some(m) = segments.next_if(|m| m.block < f.block) {
+            chunker
+                .metadata(m.block * erofs::BLOCK_SIZE, &m.bytes)
+                .map_err(io_err("storing metadata chunks"))?;
+        }
         let data = &f.data;
         let at = f.block * erofs::BLOCK_SIZE;
         match data.source {
@@ -238,6 +242,11 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
             ),
         }
         .map_err(io_err("storing file chunks"))?;
+    }
+    for m in segments {
+        chunker
+            .metadata(m.block * erofs::BLOCK_SIZE, &m.bytes)
+            .map_err(io_err("storing metadata chunks"))?;
     }
     let chunked = chunker.finish().map_err(io_err("storing file chunks"))?;
     let manifest = BlockManifest {

@@ -80,6 +80,9 @@ pub struct Meta {
 pub struct Inode {
     pub kind: Kind,
     pub meta: Meta,
+    /// The layer that created it (a directory described again keeps its inode; a file
+    /// written again gets a new one). The EROFS layout groups inodes by it.
+    pub created: u32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -175,6 +178,7 @@ impl Tree {
                     children: BTreeMap::new(),
                 },
                 meta: root_meta(),
+                created: 0,
             }],
             limits: Limits::default(),
         }
@@ -417,7 +421,11 @@ impl Tree {
                 )))
             }
         };
-        let id = self.add_inode(Inode { kind, meta });
+        let id = self.add_inode(Inode {
+            kind,
+            meta,
+            created: st.index,
+        });
         let children = self.children_mut(parent).expect("parent is a directory");
         children.insert(
             base.clone(),
@@ -468,6 +476,7 @@ impl Tree {
                             children: BTreeMap::new(),
                         },
                         meta: root_meta(),
+                        created: layer,
                     });
                     self.children_mut(cur)
                         .expect("dir")

@@ -113,3 +113,52 @@ fn one_changed_file_changes_few_chunks() {
     assert!(a.extents.len() > 5, "{} chunks", a.extents.len());
     assert!(new <= 3, "{new} of {} chunks changed", b.extents.len());
 }
+
+#[test]
+fn a_new_top_layer_leaves_the_lower_layers_bytes_as_they_were() {
+    // A base with metadata of several chunks (30,000 files in 600 directories under
+    // `usr`), then a task's own tree in `/testbed`, which sorts before `usr`: with the
+    // lower layers' inodes, directories and data first, the two images share every chunk
+    // but the first (the superblock and the root, which lists `testbed`) and their own.
+    let mut base = Layer::new();
+    for d in 0..600 {
+        for f in 0..50 {
+            base = base.file(
+                &format!("usr/lib/d{d:03}/f{f:02}.py"),
+                0o644,
+                format!("{d} {f}\n").as_bytes(),
+            );
+        }
+    }
+    let base = base.tar();
+    let task = |files: usize, tag: &str| {
+        let mut l = Layer::new();
+        for i in 0..files {
+            l = l.file(
+                &format!("testbed/src/m{i:03}.py"),
+                0o644,
+                format!("{tag} {i}\n").as_bytes(),
+            );
+        }
+        l.tar()
+    };
+    let a = run(&[base.clone(), task(20, "a")]).unwrap().0.manifest;
+    let b = run(&[base, task(25, "b")]).unwrap().0.manifest;
+    let in_a: std::collections::HashSet<_> = a.extents.iter().map(|e| e.chunk).collect();
+    let new: Vec<_> = b
+        .extents
+        .iter()
+        .filter(|e| !in_a.contains(&e.chunk))
+        .collect();
+    let new_bytes: u64 = new.iter().map(|e| e.length).sum();
+    let all: u64 = b.extents.iter().map(|e| e.length).sum();
+    assert!(all > 4 << 20, "the base is {all} bytes: too small to tell");
+    assert!(
+        new_bytes <= (1 << 20) + (256 << 10),
+        "{new_bytes} of {all} bytes new: {new:?}"
+    );
+    assert_eq!(
+        new[0].offset, 0,
+        "the first chunk changes (the root lists testbed)"
+    );
+}
