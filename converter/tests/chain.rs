@@ -55,7 +55,7 @@ fn layers() -> Vec<Vec<u8>> {
         .tar();
     let mut env = Layer::new();
     for i in (0..120u32).step_by(9) {
-        // New names between the base's: packs mix new files with stored ones.
+        // New names between the base's (laid out in the env layer's own group).
         env = env.file(
             &format!("usr/lib/m{i:03}a.py"),
             0o644,
@@ -275,15 +275,21 @@ fn a_state_that_names_a_missing_chunk_fails_the_conversion_with_its_id() {
     let state = convert_from(&tars, None, vec![1], &mut store, &reads, None)
         .chains
         .remove(0);
-    // A store that lost everything: the first pack that mixes new and stored files
-    // needs a chunk it cannot read.
+    // A store that lost everything, and a layer that deletes every other file of the
+    // base: a pack of the base that loses some of its files is cut anew from the
+    // stored bytes of the rest, which the store cannot give.
     let mut empty = MemSink::default();
     let before = HashMap::new();
     let mut source = Source {
         chunks: &before,
         reads: &reads,
     };
-    let inputs = tars[1..].iter().map(|l| LayerInput {
+    let mut deletes = Layer::new();
+    for i in (1..120u32).step_by(2) {
+        deletes = deletes.file(&format!("usr/lib/.wh.m{i:03}.py"), 0o644, b"");
+    }
+    let deletes = deletes.tar();
+    let inputs = [&deletes].into_iter().map(|l| LayerInput {
         name: "layer".into(),
         reader: Box::new(&l[..]),
     });

@@ -270,7 +270,22 @@ async fn an_uncompressed_layer_is_kept_as_a_recipe_on(storage: Storage) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_image_built_from_a_big_image_reads_only_its_own_layer() {
     let s = Server::start_on(Storage::Fs, &[]);
-    let base = layers();
+    // A base whose chunks are big beside its tree's state: 2 MiB that do not compress
+    // (`layers()`'s big file compresses to about 28 KiB, near the threshold).
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let noise: Vec<u8> = (0..2 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 32) as u8
+        })
+        .collect();
+    let mut base = layers();
+    base[0] = files_tar(&[
+        ("usr/lib/big.so", &noise[..]),
+        ("etc/os-release", b"ID=test\n"),
+    ]);
     let blobs = gzipped;
     push_image(&s, "conv/from", "base", &blobs(&base)).await;
     assert_eq!(settled(&s, "conv/from", "base").await["state"], "done");
