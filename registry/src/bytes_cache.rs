@@ -98,6 +98,29 @@ impl<K: Hash + Eq> BytesCache<K> {
         }
     }
 
+    /// The value of `key`: held, else what `read` gets from the source (then held). For a
+    /// source read synchronously; an async one uses [`get`](Self::get) and
+    /// [`fill`](Self::fill) around its await.
+    pub fn get_or_read<Q, E>(
+        &self,
+        key: &Q,
+        read: impl FnOnce() -> Result<Option<Bytes>, E>,
+    ) -> Result<Option<Bytes>, E>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        let ticket = match self.get(key) {
+            Ok(v) => return Ok(Some(v)),
+            Err(ticket) => ticket,
+        };
+        let value = read()?;
+        if let Some(v) = &value {
+            self.fill(ticket, key.to_owned(), v.clone());
+        }
+        Ok(value)
+    }
+
     /// Holds `value`, read from the source after `ticket` was given for `key`, unless a
     /// write reached the key's shard since.
     pub fn fill(&self, ticket: Ticket, key: K, value: Bytes) {

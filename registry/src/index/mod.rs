@@ -298,17 +298,13 @@ impl Index {
 
     /// The value of `key` in `cf` (one of `HELD_CFS`), from memory when held there.
     fn get_held(&self, cf: &str, key: &[u8]) -> Result<Option<Bytes>, IndexError> {
-        let k = Index::held_key(cf, key);
-        let ticket = match self.held.get(&k) {
-            Ok(v) => return Ok(Some(v)),
-            Err(ticket) => ticket,
-        };
-        let Some(v) = self.db.get_pinned_cf(self.cf(cf), key)? else {
-            return Ok(None);
-        };
-        let v = Bytes::copy_from_slice(&v);
-        self.held.fill(ticket, k, v.clone());
-        Ok(Some(v))
+        self.held
+            .get_or_read(Index::held_key(cf, key).as_slice(), || {
+                Ok(self
+                    .db
+                    .get_pinned_cf(self.cf(cf), key)?
+                    .map(|v| Bytes::copy_from_slice(&v)))
+            })
     }
 
     /// Holds `value`, just written as `key`'s in `cf` (one of `HELD_CFS`).

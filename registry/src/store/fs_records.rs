@@ -131,19 +131,13 @@ impl RecordDb {
 
     /// The value of record `key`.
     pub fn get(&self, key: &str) -> Result<Option<Bytes>, StoreError> {
-        let ticket = match self.held.get(key) {
-            Ok(v) => return Ok(Some(v)),
-            Err(ticket) => ticket,
-        };
-        let value = self
-            .db
-            .get(key.as_bytes())
-            .map_err(|e| db_err(format!("reading record {key}"), e))?
-            .map(Bytes::from);
-        if let Some(v) = &value {
-            self.held.fill(ticket, key.to_string(), v.clone());
-        }
-        Ok(value)
+        self.held.get_or_read(key, || {
+            Ok(self
+                .db
+                .get(key.as_bytes())
+                .map_err(|e| db_err(format!("reading record {key}"), e))?
+                .map(Bytes::from))
+        })
     }
 
     /// Writes record `key`, durably. Blocking (an fsync).
