@@ -117,6 +117,14 @@ impl NodeClient {
         Self::read(r).await
     }
 
+    /// Waits (at most `timeout_s`) until the sandbox has ended; its final state.
+    pub async fn wait_ended(&self, id: &str, timeout_s: u32) -> Result<SandboxInfo, ClientError> {
+        let url = Self::url(&format!(
+            "/v1/sandboxes/{id}/wait?ended=true&timeout_s={timeout_s}"
+        ));
+        Self::read(self.send(self.http.get(url)).await?).await
+    }
+
     pub async fn list(&self) -> Result<Vec<SandboxInfo>, ClientError> {
         let r = self.send(self.http.get(Self::url("/v1/sandboxes"))).await?;
         Ok(Self::read::<SandboxList>(r).await?.sandboxes)

@@ -352,10 +352,13 @@ async fn get_sandbox(
 struct WaitQuery {
     /// Seconds to wait at most (default 600).
     timeout_s: Option<u32>,
+    /// Wait until the sandbox has ended (its VM stopped, `reason` set), not only until
+    /// it is no longer creating (default false).
+    ended: Option<bool>,
 }
 
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/wait", params(("id" = String, Path), WaitQuery),
-    responses((status = 200, description = "No longer creating (or the wait's timeout passed)", body = SandboxInfo),
+    responses((status = 200, description = "No longer creating, or ended if `ended` was asked (or the wait's timeout passed)", body = SandboxInfo),
         (status = 404, body = ErrorBody)),
     security((), ("bearer" = [])))]
 async fn wait_sandbox(
@@ -365,7 +368,7 @@ async fn wait_sandbox(
 ) -> Answer<Json<SandboxInfo>> {
     let (id, q) = (path(id)?, query(q)?);
     let t = Duration::from_secs(q.timeout_s.unwrap_or(600).into());
-    Ok(Json(node.wait(&id, t).await?))
+    Ok(Json(node.wait(&id, t, q.ended.unwrap_or(false)).await?))
 }
 
 #[utoipa::path(delete, path = "/v1/sandboxes/{id}", params(("id" = String, Path)),

@@ -22,6 +22,10 @@ use amber_snapshotter::device::LazyDevice;
 
 use crate::mux::Mux;
 
+/// Resolves, once the sandbox has ended, to why it did (None if that is not known soon):
+/// what a command cut short by the end of its sandbox tells its caller.
+pub type EndReason = std::pin::Pin<Box<dyn std::future::Future<Output = Option<String>> + Send>>;
+
 /// How long a killed command may take to report its end before the node stops waiting.
 const KILL_GRACE: Duration = Duration::from_secs(2);
 
@@ -73,6 +77,7 @@ impl Process {
         timeout: Option<Duration>,
         bound: usize,
         retain: Retain,
+        end_reason: EndReason,
     ) -> Arc<Process> {
         req.stdin = stdin.is_some();
         let (signals, signal_rx) = tokio::sync::mpsc::channel(8);
@@ -105,6 +110,7 @@ impl Process {
             stdin,
             timeout,
             signal_rx,
+            end_reason,
         ));
         p
     }
@@ -253,6 +259,7 @@ impl Process {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn drive(
     p: Arc<Process>,
     mut s: crate::mux::Session,
@@ -261,6 +268,7 @@ async fn drive(
     stdin: Option<Vec<u8>>,
     timeout: Option<Duration>,
     mut signals: tokio::sync::mpsc::Receiver<i32>,
+    end_reason: EndReason,
 ) {
     let body = serde_json::to_vec(&req).expect("Request serializes");
     if s.tx.send(EXEC, &body).await.is_err() {
@@ -305,9 +313,13 @@ async fn drive(
             }
         };
         let Some(f) = frame else {
+            let why = match end_reason.await {
+                Some(r) => format!(": {r}"),
+                None => String::new(),
+            };
             return p.error(
                 ErrorKind::NotRunning,
-                "the sandbox stopped before the command finished".into(),
+                format!("the sandbox stopped before the command finished{why}"),
             );
         };
         match f.kind {

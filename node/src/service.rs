@@ -242,7 +242,22 @@ struct Entry {
     snapshotting: tokio::sync::Mutex<()>,
 }
 
+/// How long a command cut short by its sandbox's end waits to say why: the lifecycle
+/// sets the reason once the VM is stopped and its console read.
+const END_REASON_WAIT: Duration = Duration::from_secs(30);
+
 impl Entry {
+    /// Why the sandbox ended, once it has (None if it has not within [`END_REASON_WAIT`]).
+    async fn end_reason(self: Arc<Self>) -> Option<String> {
+        let mut phase = self.phase.subscribe();
+        let ended = phase.wait_for(|p| matches!(p, Phase::Ended));
+        tokio::time::timeout(END_REASON_WAIT, ended)
+            .await
+            .ok()?
+            .ok()?;
+        self.info.lock().unwrap().reason.clone()
+    }
+
     fn defaults(&self) -> ExecDefaults {
         ExecDefaults {
             config: RunConfig {
@@ -714,11 +729,21 @@ impl Node {
         }
     }
 
-    /// Waits until the sandbox is no longer creating (or `timeout` passed); its state.
-    pub async fn wait(&self, id: &str, timeout: Duration) -> Result<SandboxInfo, NodeError> {
+    /// Waits until the sandbox is no longer creating, or with `until_ended` until it has
+    /// ended (its VM stopped and its reason known), or until `timeout` passed; its state.
+    pub async fn wait(
+        &self,
+        id: &str,
+        timeout: Duration,
+        until_ended: bool,
+    ) -> Result<SandboxInfo, NodeError> {
         if let Ok(e) = self.entry(id) {
             let mut phase = e.phase.subscribe();
-            let _ = tokio::time::timeout(timeout, phase.wait_for(Phase::settled)).await;
+            let done = |p: &Phase| match until_ended {
+                true => matches!(p, Phase::Ended),
+                false => p.settled(),
+            };
+            let _ = tokio::time::timeout(timeout, phase.wait_for(done)).await;
         }
         self.get(id)
     }
@@ -888,6 +913,7 @@ impl Node {
             timeout,
             bound,
             retain,
+            Box::pin(e.clone().end_reason()),
         );
         if background {
             let mut procs = e.processes.lock().unwrap();
@@ -1370,6 +1396,15 @@ async fn watch(
         let until = *deadline.borrow_and_update();
         let idle_at = idle.map(|d| *e.last_active.lock().unwrap() + d);
         tokio::select! {
+            // A VM that died says so even when a stop was asked at the same moment (a
+            // client whose command was cut short asks for the end and its reason).
+            biased;
+            status = sandbox.vm.wait() => {
+                return Ended::VmExited(match status {
+                    Ok(s) => s.to_string(),
+                    Err(err) => err.to_string(),
+                });
+            }
             _ = stop.wait_for(Option::is_some) => {
                 return Ended::Asked(e.stop.borrow().clone().unwrap_or_default());
             }
@@ -1390,12 +1425,6 @@ async fn watch(
                     let _ = reply.send(Err(bad(format!("sandbox {} is running, not paused", e.id))));
                 }
             },
-            status = sandbox.vm.wait() => {
-                return Ended::VmExited(match status {
-                    Ok(s) => s.to_string(),
-                    Err(err) => err.to_string(),
-                });
-            }
         }
     }
 }

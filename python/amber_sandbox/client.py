@@ -133,8 +133,13 @@ class AsyncNode:
     async def get(self, sandbox_id: str) -> SandboxInfo:
         return SandboxInfo.parse((await self._request("GET", f"/v1/sandboxes/{sandbox_id}")).json())
 
-    async def wait(self, sandbox_id: str, timeout_s: int = 600) -> SandboxInfo:
-        r = await self._request("GET", f"/v1/sandboxes/{sandbox_id}/wait", params={"timeout_s": timeout_s})
+    async def wait(self, sandbox_id: str, timeout_s: int = 600, ended: bool = False) -> SandboxInfo:
+        """Waits until the sandbox is no longer creating, or with `ended` until it has
+        ended (its `reason` then says why), or until `timeout_s` passed."""
+        params: dict[str, Any] = {"timeout_s": timeout_s}
+        if ended:
+            params["ended"] = "true"
+        r = await self._request("GET", f"/v1/sandboxes/{sandbox_id}/wait", params=params)
         return SandboxInfo.parse(r.json())
 
     async def list(self, labels: Mapping[str, str] | None = None, all: bool = False) -> list[SandboxInfo]:

@@ -298,11 +298,7 @@ async def test_a_lifetime_ends_the_sandbox_after_its_creator_was_killed(nodes, i
     assert p.returncode == -signal.SIGKILL, p.stderr
     sid = p.stdout.strip()
     node = AsyncNode(nodes[0].socket)
-    info = await node.get(sid)
-    deadline = time.monotonic() + 120
-    while info.status in ("creating", "running") and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
-        info = await node.get(sid)
+    info = await node.wait(sid, timeout_s=120, ended=True)
     assert info.status == "stopped" and "lifetime" in info.reason, info
     assert not (nodes[0].home / "sandboxes" / sid).exists()
     await node.close()
@@ -342,6 +338,26 @@ async def test_a_killed_amberd_leaves_no_qemu_and_reports_its_sandboxes_lost(reg
     d2.stop()
 
 
+async def a_dead_vm_says_why(node: AsyncNode, sid: str, sandbox_dir: Path) -> None:
+    """A command cut short by the death of its VM, and the sandbox, say why: the VM
+    exited, with the guest console's last lines."""
+    p = await node.start_process(sid, {"command": "echo up; sleep 600"})
+    frames = node.output(sid, p.id)
+    async for f in frames:
+        if f.type == "stdout" and "up" in f.data:
+            break
+    [qemu] = qemu_pids_under(sandbox_dir)
+    os.kill(qemu, signal.SIGKILL)
+    rest = [f async for f in frames]
+    assert rest[-1].type == "error" and rest[-1].kind == "not_running", rest
+    assert "the sandbox stopped before the command finished: the VM exited" in rest[-1].message, rest
+    assert "SIGKILL" in rest[-1].message and "console:" in rest[-1].message, rest[-1].message
+    info = await node.wait(sid, timeout_s=60, ended=True)
+    assert info.status == "failed" and info.reason.startswith("the VM exited"), info
+    with pytest.raises(SandboxNotRunning, match="the VM exited"):
+        await node.exec(sid, {"command": "true"})
+
+
 async def test_every_vm_shape_boots(nodes, images):
     """256 MiB to 16 GiB in 256 MiB steps (2048 included), 1 to 4 vCPUs."""
     node = AsyncNode(nodes[1].socket)
@@ -353,6 +369,8 @@ async def test_every_vm_shape_boots(nodes, images):
             s = await node.create(image=images[0], memory_mib=mib, cpus=cpus)
             try:
                 r = await node.exec(s.id, {"command": "nproc; grep MemTotal /proc/meminfo"})
+                if i == 0:
+                    await a_dead_vm_says_why(node, s.id, nodes[1].home / "sandboxes" / s.id)
             finally:
                 await node.delete(s.id)
         lines = r.stdout.split("\n")

@@ -437,9 +437,10 @@ async fn exec_in(
     };
     match out {
         Err(e) if e.is::<session::Stopped>() => {
-            // Say why the sandbox went: the node knows (an integrity error, a dead VM).
+            // Say why the sandbox went: the node knows (an integrity error, a dead VM and
+            // its console) once it has ended it.
             let why = client
-                .get(id)
+                .wait_ended(id, 30)
                 .await
                 .ok()
                 .and_then(|s: SandboxInfo| s.reason)
