@@ -81,8 +81,10 @@ const BLOOM_BITS_PER_KEY: f64 = 10.0;
 const INDEX_HELD: usize = 32 << 20;
 /// The families whose values are held in memory (`Index::held`). Their values are
 /// written only by `put_manifest`, `put_conversion` and `finish_conversion`, each of
-/// which updates the memory after the write.
-const HELD_CFS: [&str; 3] = ["manifests", "conversions", "image_envs"];
+/// which updates the memory after the write. `referrers` is held per subject: the JSON
+/// list of its referrers (an empty one too, the common answer), which `put_manifest`
+/// forgets after it writes a referrer of that subject.
+const HELD_CFS: [&str; 4] = ["manifests", "conversions", "image_envs", "referrers"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum IndexError {
@@ -204,6 +206,13 @@ fn key2(a: &str, b: &str) -> Vec<u8> {
     k.extend_from_slice(a.as_bytes());
     k.push(0);
     k.extend_from_slice(b.as_bytes());
+    k
+}
+
+/// The start of every `referrers` key of `subject` in `repo`.
+fn referrers_prefix(repo: &str, subject: &Digest) -> Vec<u8> {
+    let mut k = key2(repo, &subject.to_string());
+    k.push(0);
     k
 }
 
@@ -441,16 +450,17 @@ impl Index {
         b.put_cf(self.cf("manifests"), &manifest_key, &record);
         self.add_blob(&mut b, &digest, w.record.size)?;
         b.put_cf(self.cf("repo_blobs"), key2(repo, &digest), b"");
-        if let Some((subject, desc)) = &w.referrer {
-            let mut k = key2(repo, &subject.to_string());
-            k.push(0);
+        let referrers_of = w.referrer.as_ref().map(|(subject, desc)| {
+            let prefix = referrers_prefix(repo, subject);
+            let mut k = prefix.clone();
             k.extend_from_slice(digest.as_bytes());
             b.put_cf(
                 self.cf("referrers"),
                 k,
                 serde_json::to_vec(desc).expect("json"),
             );
-        }
+            prefix
+        });
         let _guard =
             crate::blocking::run(|| self.tag_lock.lock().unwrap_or_else(|p| p.into_inner()));
         if let Some(tag) = w.tag {
@@ -470,6 +480,10 @@ impl Index {
         }
         self.write_synced(b)?;
         self.set_held("manifests", &manifest_key, record);
+        if let Some(prefix) = referrers_of {
+            self.held
+                .remove(Index::held_key("referrers", &prefix).as_slice());
+        }
         Ok(())
     }
 
@@ -587,25 +601,32 @@ impl Index {
         repo: &RepoName,
         subject: &Digest,
     ) -> Result<Vec<serde_json::Value>, IndexError> {
-        let mut prefix = key2(repo.as_str(), &subject.to_string());
-        prefix.push(0);
-        let mut out = Vec::new();
-        for item in self.db.iterator_cf(
-            self.cf("referrers"),
-            IteratorMode::From(&prefix, Direction::Forward),
-        ) {
-            let (k, v) = item?;
-            if !k.starts_with(&prefix) {
-                break;
-            }
-            out.push(
-                serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt {
-                    key: String::from_utf8_lossy(&k).into_owned(),
-                    source,
-                })?,
-            );
-        }
-        Ok(out)
+        let prefix = referrers_prefix(repo.as_str(), subject);
+        let Some(list) =
+            self.held
+                .get_or_read(Index::held_key("referrers", &prefix).as_slice(), || {
+                    let mut out = Vec::new();
+                    for item in self.db.iterator_cf(
+                        self.cf("referrers"),
+                        IteratorMode::From(&prefix, Direction::Forward),
+                    ) {
+                        let (k, v) = item?;
+                        if !k.starts_with(&prefix) {
+                            break;
+                        }
+                        let desc: serde_json::Value =
+                            serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt {
+                                key: String::from_utf8_lossy(&k).into_owned(),
+                                source,
+                            })?;
+                        out.push(desc);
+                    }
+                    Ok::<_, IndexError>(Some(Bytes::from(serde_json::to_vec(&out).expect("json"))))
+                })?
+        else {
+            return Ok(Vec::new());
+        };
+        decode::<Vec<serde_json::Value>>(&prefix, Some(&list)).map(Option::unwrap_or_default)
     }
 
     pub fn conversion(&self, image: &Digest) -> Result<Option<Conversion>, IndexError> {
@@ -846,6 +867,32 @@ mod tests {
             }
         }
         let ix = Index::open(dir.path()).unwrap();
+        // A subject's referrer list, empty then held, lists a referrer once written.
+        let subject = Digest::of(Algorithm::Sha256, b"subject");
+        assert_eq!(
+            ix.referrers(&repo, &subject).unwrap(),
+            Vec::<serde_json::Value>::new()
+        );
+        let mut listed = Vec::new();
+        for (i, name) in [b"sig1", b"sig2"].iter().enumerate() {
+            let digest = Digest::of(Algorithm::Sha256, *name);
+            let desc = serde_json::json!({"digest": digest.to_string(), "i": i});
+            ix.put_manifest(ManifestWrite {
+                repo: &repo,
+                digest: &digest,
+                record: rec(),
+                tag: None,
+                tag_immutable: false,
+                referrer: Some((&subject, desc.clone())),
+            })
+            .unwrap();
+            listed.push(desc);
+            listed.sort_by_key(|d| d["digest"].as_str().unwrap().to_string());
+            assert_eq!(ix.referrers(&repo, &subject).unwrap(), listed);
+        }
+        drop(ix);
+        let ix = Index::open(dir.path()).unwrap();
+        assert_eq!(ix.referrers(&repo, &subject).unwrap(), listed);
         assert_eq!(ix.conversion(&image).unwrap(), Some(done));
         assert_eq!(ix.image_env(&image).unwrap().as_deref(), Some("sha256:e1"));
         assert_eq!(ix.manifest(&repo, &image).unwrap(), Some(imported));
