@@ -74,17 +74,42 @@ const INDEX_WAL_BUDGET: u64 = 32 << 20;
 const INDEX_BLOCK_CACHE: usize = 64 << 20;
 /// Bloom filter bits per key: about 1% of lookups of an absent key read a block.
 const BLOOM_BITS_PER_KEY: f64 = 10.0;
-/// Bytes of values of the families every resolve and manifest GET reads (`HELD_CFS`)
+/// Bytes of values of the families every resolve and manifest GET reads ([`Held`])
 /// held in memory: a RocksDB lookup probes each level-0 table's filter and the block
 /// cache's shards, and three of them were 38% of the registry's CPU in resolves at 20,000
 /// images. An entry is about 300 bytes, so about 100,000 of them.
 const INDEX_HELD: usize = 32 << 20;
 /// The families whose values are held in memory (`Index::held`). Their values are
 /// written only by `put_manifest`, `put_conversion` and `finish_conversion`, each of
-/// which updates the memory after the write. `referrers` is held per subject: the JSON
-/// list of its referrers (an empty one too, the common answer), which `put_manifest`
-/// forgets after it writes a referrer of that subject.
-const HELD_CFS: [&str; 4] = ["manifests", "conversions", "image_envs", "referrers"];
+/// which updates the memory after the write.
+#[derive(Clone, Copy)]
+enum Held {
+    Manifests,
+    Conversions,
+    ImageEnvs,
+    /// Held per subject: the JSON list of its referrers (an empty one too, the common
+    /// answer), which `put_manifest` forgets after it writes a referrer of that subject.
+    Referrers,
+}
+
+impl Held {
+    fn cf(self) -> &'static str {
+        match self {
+            Held::Manifests => "manifests",
+            Held::Conversions => "conversions",
+            Held::ImageEnvs => "image_envs",
+            Held::Referrers => "referrers",
+        }
+    }
+
+    /// Where `key` of this family is held in memory.
+    fn key(self, key: &[u8]) -> Vec<u8> {
+        let mut k = Vec::with_capacity(1 + key.len());
+        k.push(self as u8);
+        k.extend_from_slice(key);
+        k
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum IndexError {
@@ -170,8 +195,7 @@ impl Drop for OpenDb {
 
 pub struct Index {
     db: DB,
-    /// Values of `HELD_CFS` read or written lately, keyed by the family's position in
-    /// `HELD_CFS` then the key.
+    /// Values of the [`Held`] families read or written lately, keyed by `Held::key`.
     held: BytesCache<Vec<u8>>,
     tag_lock: Mutex<()>,
     /// See `totals`: the is-it-new check and write of one key happen under its stripe.
@@ -293,32 +317,19 @@ impl Index {
             .expect("column families are created on open")
     }
 
-    /// Where `key` of family `cf` (one of `HELD_CFS`) is held in memory.
-    fn held_key(cf: &str, key: &[u8]) -> Vec<u8> {
-        let family = HELD_CFS
-            .iter()
-            .position(|c| *c == cf)
-            .expect("a family held in memory");
-        let mut k = Vec::with_capacity(1 + key.len());
-        k.push(family as u8);
-        k.extend_from_slice(key);
-        k
+    /// The value of `key` in family `f`, from memory when held there.
+    fn get_held(&self, f: Held, key: &[u8]) -> Result<Option<Bytes>, IndexError> {
+        self.held.get_or_read(f.key(key).as_slice(), || {
+            Ok(self
+                .db
+                .get_pinned_cf(self.cf(f.cf()), key)?
+                .map(|v| Bytes::copy_from_slice(&v)))
+        })
     }
 
-    /// The value of `key` in `cf` (one of `HELD_CFS`), from memory when held there.
-    fn get_held(&self, cf: &str, key: &[u8]) -> Result<Option<Bytes>, IndexError> {
-        self.held
-            .get_or_read(Index::held_key(cf, key).as_slice(), || {
-                Ok(self
-                    .db
-                    .get_pinned_cf(self.cf(cf), key)?
-                    .map(|v| Bytes::copy_from_slice(&v)))
-            })
-    }
-
-    /// Holds `value`, just written as `key`'s in `cf` (one of `HELD_CFS`).
-    fn set_held(&self, cf: &str, key: &[u8], value: Vec<u8>) {
-        self.held.set(Index::held_key(cf, key), Bytes::from(value));
+    /// Holds `value`, just written as `key`'s in family `f`.
+    fn set_held(&self, f: Held, key: &[u8], value: Vec<u8>) {
+        self.held.set(f.key(key), Bytes::from(value));
     }
 
     /// The JSON value of `key` in `cf`.
@@ -331,13 +342,13 @@ impl Index {
         decode(key, v.as_deref())
     }
 
-    /// The JSON value of `key` in `cf` (one of `HELD_CFS`), from memory when held there.
+    /// The JSON value of `key` in family `f`, from memory when held there.
     fn get_held_json<T: for<'de> Deserialize<'de>>(
         &self,
-        cf: &str,
+        f: Held,
         key: &[u8],
     ) -> Result<Option<T>, IndexError> {
-        decode(key, self.get_held(cf, key)?.as_deref())
+        decode(key, self.get_held(f, key)?.as_deref())
     }
 
     /// Records a published blob and links it into `repo`.
@@ -479,10 +490,9 @@ impl Index {
             b.put_cf(self.cf("tags"), tk, digest.as_bytes());
         }
         self.write_synced(b)?;
-        self.set_held("manifests", &manifest_key, record);
+        self.set_held(Held::Manifests, &manifest_key, record);
         if let Some(prefix) = referrers_of {
-            self.held
-                .remove(Index::held_key("referrers", &prefix).as_slice());
+            self.held.remove(Held::Referrers.key(&prefix).as_slice());
         }
         Ok(())
     }
@@ -492,7 +502,7 @@ impl Index {
         repo: &RepoName,
         digest: &Digest,
     ) -> Result<Option<ManifestRecord>, IndexError> {
-        self.get_held_json("manifests", &key2(repo.as_str(), &digest.to_string()))
+        self.get_held_json(Held::Manifests, &key2(repo.as_str(), &digest.to_string()))
     }
 
     pub fn tag(&self, repo: &RepoName, tag: &Tag) -> Result<Option<Digest>, IndexError> {
@@ -602,27 +612,27 @@ impl Index {
         subject: &Digest,
     ) -> Result<Vec<serde_json::Value>, IndexError> {
         let prefix = referrers_prefix(repo.as_str(), subject);
-        let Some(list) =
-            self.held
-                .get_or_read(Index::held_key("referrers", &prefix).as_slice(), || {
-                    let mut out = Vec::new();
-                    for item in self.db.iterator_cf(
-                        self.cf("referrers"),
-                        IteratorMode::From(&prefix, Direction::Forward),
-                    ) {
-                        let (k, v) = item?;
-                        if !k.starts_with(&prefix) {
-                            break;
-                        }
-                        let desc: serde_json::Value =
-                            serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt {
-                                key: String::from_utf8_lossy(&k).into_owned(),
-                                source,
-                            })?;
-                        out.push(desc);
+        let Some(list) = self
+            .held
+            .get_or_read(Held::Referrers.key(&prefix).as_slice(), || {
+                let mut out = Vec::new();
+                for item in self.db.iterator_cf(
+                    self.cf("referrers"),
+                    IteratorMode::From(&prefix, Direction::Forward),
+                ) {
+                    let (k, v) = item?;
+                    if !k.starts_with(&prefix) {
+                        break;
                     }
-                    Ok::<_, IndexError>(Some(Bytes::from(serde_json::to_vec(&out).expect("json"))))
-                })?
+                    let desc: serde_json::Value =
+                        serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt {
+                            key: String::from_utf8_lossy(&k).into_owned(),
+                            source,
+                        })?;
+                    out.push(desc);
+                }
+                Ok::<_, IndexError>(Some(Bytes::from(serde_json::to_vec(&out).expect("json"))))
+            })?
         else {
             return Ok(Vec::new());
         };
@@ -630,7 +640,7 @@ impl Index {
     }
 
     pub fn conversion(&self, image: &Digest) -> Result<Option<Conversion>, IndexError> {
-        self.get_held_json("conversions", image.to_string().as_bytes())
+        self.get_held_json(Held::Conversions, image.to_string().as_bytes())
     }
 
     pub fn put_conversion(&self, image: &Digest, c: &Conversion) -> Result<(), IndexError> {
@@ -640,7 +650,7 @@ impl Index {
             self.db
                 .put_cf_opt(self.cf("conversions"), &key, &value, &synced())
         })?;
-        self.set_held("conversions", key.as_bytes(), value);
+        self.set_held(Held::Conversions, key.as_bytes(), value);
         Ok(())
     }
 
@@ -666,7 +676,7 @@ impl Index {
     /// The env digest of an image, once it has one.
     pub fn image_env(&self, image: &Digest) -> Result<Option<String>, IndexError> {
         Ok(self
-            .get_held("image_envs", image.to_string().as_bytes())?
+            .get_held(Held::ImageEnvs, image.to_string().as_bytes())?
             .map(|v| String::from_utf8_lossy(&v).into_owned()))
     }
 
@@ -690,8 +700,8 @@ impl Index {
         self.count(&mut b, totals::counter::IMAGES, 1);
         b.put_cf(self.cf("conversions"), &key, &conversion);
         self.write_synced(b)?;
-        self.set_held("image_envs", key.as_bytes(), env.as_bytes().to_vec());
-        self.set_held("conversions", key.as_bytes(), conversion);
+        self.set_held(Held::ImageEnvs, key.as_bytes(), env.as_bytes().to_vec());
+        self.set_held(Held::Conversions, key.as_bytes(), conversion);
         Ok(env.to_string())
     }
 
