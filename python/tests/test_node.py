@@ -55,7 +55,7 @@ async def test_sixteen_sandboxes_of_four_images_run_their_rollouts(nodes, images
         assert await amber.list(labels={"test": "rollout"}) == []
 
 
-async def test_streams_timeouts_processes_and_errors(nodes, images):
+async def test_streams_timeouts_processes_and_errors(nodes, images, tmp_path):
     node = AsyncNode(nodes[0].socket)
     async with AsyncAmber([nodes[0].socket]) as amber:
         sb = await amber.create(images[0], memory_mib=256)
@@ -98,7 +98,7 @@ async def test_streams_timeouts_processes_and_errors(nodes, images):
             r = await sb.exec("echo $A; pwd; id -un", env={"A": "b"}, cwd="/tmp", user="root")
             assert r.stdout == "b\n/tmp\nroot\n"
             # A directory up and down as one tar stream.
-            src = Path(os.environ.get("TMPDIR", "/tmp")) / f"amber-dir-{os.getpid()}"
+            src = tmp_path / "tree"
             (src / "sub").mkdir(parents=True, exist_ok=True)
             (src / "sub" / "f.txt").write_text("tree")
             await sb.upload_dir(src, "/work/tree")
