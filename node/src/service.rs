@@ -739,9 +739,12 @@ impl Node {
     ) -> Result<SandboxInfo, NodeError> {
         if let Ok(e) = self.entry(id) {
             let mut phase = e.phase.subscribe();
-            let done = |p: &Phase| match until_ended {
-                true => matches!(p, Phase::Ended),
-                false => p.settled(),
+            let done = |p: &Phase| {
+                if until_ended {
+                    matches!(p, Phase::Ended)
+                } else {
+                    p.settled()
+                }
             };
             let _ = tokio::time::timeout(timeout, phase.wait_for(done)).await;
         }

@@ -612,10 +612,11 @@ impl Index {
         subject: &Digest,
     ) -> Result<Vec<serde_json::Value>, IndexError> {
         let prefix = referrers_prefix(repo.as_str(), subject);
-        let Some(list) = self
+        let list = self
             .held
             .get_or_read(Held::Referrers.key(&prefix).as_slice(), || {
-                let mut out = Vec::new();
+                // The stored descriptors are JSON already: the list is their array.
+                let mut out = b"[".to_vec();
                 for item in self.db.iterator_cf(
                     self.cf("referrers"),
                     IteratorMode::From(&prefix, Direction::Forward),
@@ -624,19 +625,15 @@ impl Index {
                     if !k.starts_with(&prefix) {
                         break;
                     }
-                    let desc: serde_json::Value =
-                        serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt {
-                            key: String::from_utf8_lossy(&k).into_owned(),
-                            source,
-                        })?;
-                    out.push(desc);
+                    if out.len() > 1 {
+                        out.push(b',');
+                    }
+                    out.extend_from_slice(&v);
                 }
-                Ok::<_, IndexError>(Some(Bytes::from(serde_json::to_vec(&out).expect("json"))))
-            })?
-        else {
-            return Ok(Vec::new());
-        };
-        decode::<Vec<serde_json::Value>>(&prefix, Some(&list)).map(Option::unwrap_or_default)
+                out.push(b']');
+                Ok::<_, IndexError>(Some(Bytes::from(out)))
+            })?;
+        Ok(decode(&prefix, list.as_deref())?.unwrap_or_default())
     }
 
     pub fn conversion(&self, image: &Digest) -> Result<Option<Conversion>, IndexError> {
