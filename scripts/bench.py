@@ -1037,6 +1037,8 @@ def main():
                     "or pushed to local disk and linked into the bucket (default: fs above 10000 images)")
     ap.add_argument("--scale-peer-seconds", type=float, help="at most this long for the peer's push in the "
                     "scale benchmark (default: as long as amber's whole ingest)")
+    ap.add_argument("--scale-no-reindex", action="store_true", help="skip the scale benchmark's reindex of "
+                    "amber's store (the bucket benchmark measures reindex on its own)")
     a = ap.parse_args()
     work = os.path.join(RUN, "bench")
     os.makedirs(work, exist_ok=True)
@@ -1099,7 +1101,8 @@ def main():
         sizes = [int(x) for x in (a.scale or ("2000,10000" if a.quick else "10000,100000")).split(",")]
         print(f"metadata at scale: {sizes} synthetic images, amber and distribution", flush=True)
         sections.append(bench_scale.scale_section(bench_scale.bench_scale(work, sys.modules[__name__], sizes,
-                                                                          a.scale_peer_seconds)))
+                                                                          a.scale_peer_seconds,
+                                                                          not a.scale_no_reindex)))
     if a.only in (None, "bucket"):
         import bench_scale
         n = a.bucket_images or (2000 if a.quick else 100000)

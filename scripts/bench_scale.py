@@ -16,6 +16,9 @@ import time
 
 CONNECTIONS = 64
 SECONDS = 10
+# Reads draw from at most this many of the pushed images, picked at random: all of them up to
+# a million, so a read meets the index's memory as a client spread over the whole registry would.
+SAMPLE = 1_000_000
 
 LUA = """
 local paths = {}
@@ -63,7 +66,7 @@ def read_list(path):
 def reads(work, addr, images, amber):
     """Every read measure over a random sample of the pushed images."""
     rnd = random.Random(1)
-    sample = rnd.sample(images, min(len(images), 50_000))
+    sample = rnd.sample(images, min(len(images), SAMPLE))
     repos = sorted({r for r, _, _ in images})
     with_referrers = [x for x in sample if int(x[1][1:]) % 4 == 0]  # tags v0, v4: images 8k and 8k+4
     res = {
@@ -136,7 +139,7 @@ def synth(h, args):
     return json.loads(out.stdout)
 
 
-def bench_scale(work, h, sizes, peer_seconds=None):
+def bench_scale(work, h, sizes, peer_seconds=None, reindex=True):
     work = os.path.join(work, "scale")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
@@ -163,16 +166,21 @@ def bench_scale(work, h, sizes, peer_seconds=None):
                      "storage": storage(s.data),
                      "rss_kib": h.vm_hwm_kib(s.proc.pid)}
             res["sizes"].append(entry)
+            save(work, res)  # what a long run measured survives its interruption
     finally:
         res["peak_rss_kib"] = s.stop(keep=True)
-    # A fresh replica's index: the store alone, reindexed.
-    index = [d for d in os.listdir(s.data) if d != "store" and os.path.isdir(os.path.join(s.data, d))]
-    for d in index:
-        shutil.rmtree(os.path.join(s.data, d))
-    t0 = time.monotonic()
-    out = subprocess.run([os.path.join(h.TARGET, "release", "amber-registry"), "reindex", "--data", s.data],
-                         check=True, capture_output=True, text=True)
-    res["reindex"] = {"seconds": time.monotonic() - t0, "output": (out.stdout + out.stderr).strip().splitlines()[-1:]}
+    res["amber_ingest_seconds"] = ingest_seconds
+    save(work, res)
+    if reindex:
+        # A fresh replica's index: the store alone, reindexed.
+        index = [d for d in os.listdir(s.data) if d != "store" and os.path.isdir(os.path.join(s.data, d))]
+        for d in index:
+            shutil.rmtree(os.path.join(s.data, d))
+        t0 = time.monotonic()
+        out = subprocess.run([os.path.join(h.TARGET, "release", "amber-registry"), "reindex", "--data", s.data],
+                             check=True, capture_output=True, text=True)
+        res["reindex"] = {"seconds": time.monotonic() - t0,
+                          "output": (out.stdout + out.stderr).strip().splitlines()[-1:]}
     shutil.rmtree(s.data, ignore_errors=True)
     # The peer, for as long as amber's ingest took (or the cap given).
     peer_seconds = min(ingest_seconds, peer_seconds or ingest_seconds)
@@ -189,10 +197,13 @@ def bench_scale(work, h, sizes, peer_seconds=None):
                                "storage": {"(all)": du(d.data)}}
     finally:
         res["distribution"]["peak_rss_kib"] = d.stop()
-    res["amber_ingest_seconds"] = ingest_seconds
+    save(work, res)
+    return res
+
+
+def save(work, res):
     with open(os.path.join(work, "result.json"), "w") as f:
         json.dump(res, f, indent=1)
-    return res
 
 
 def scale_section(res):
@@ -242,9 +253,10 @@ def scale_section(res):
         f"| metadata beyond blobs and chunks (records, block manifests, chain states, index) | {meta_b / n:,.0f} | {meta_f / n:.2f} |",
         f"| distribution, everything ({dn:,} images) | {db / max(1, dn):,.0f} | {df / max(1, dn):.2f} |",
         "",
-        f"Peak RSS of amber-registry over the whole run: {res['peak_rss_kib'] / 1024:.0f} MiB. Reindex of the",
-        f"store into a fresh index (`amber-registry reindex`, fs store): {res['reindex']['seconds']:.1f} s "
-        f"({' '.join(res['reindex']['output'])}).",
+        f"Peak RSS of amber-registry over the whole run: {res['peak_rss_kib'] / 1024:.0f} MiB. " + (
+            f"Reindex of the store into a fresh index (`amber-registry reindex`, fs store): "
+            f"{res['reindex']['seconds']:.1f} s ({' '.join(res['reindex']['output'])})."
+            if res.get("reindex") else "No reindex in this run (`--scale-no-reindex`)."),
         "",
     ]
     pl = [r["p99"] for k, r in last["reads"].items() if not k.startswith("catalog")]
