@@ -17,6 +17,10 @@ use serde::Deserialize;
 /// corpus was usable 105 s after the first push, against 79 s with level 3 (level 6, in
 /// another run: 102 s against level 9's 108 s, for 1.6% more bytes).
 pub const CHUNK_ZSTD_LEVEL: i32 = 9;
+/// Default of `convert_line`. A lined-up image costs about 200 bytes (its digest, twice):
+/// 4,096 of them under 1 MiB. Unbounded, the line held every image of a backlog: 660,000
+/// images queued behind a push of 750,000 would have been about 130 MiB.
+pub const CONVERT_LINE: usize = 4096;
 
 /// Default bytes of manifests held in memory for GETs (`manifest_cache_bytes`): about
 /// 50,000 task-image manifests of a kilobyte or so. What it adds to peak RSS at a million
@@ -68,6 +72,7 @@ pub struct FileConfig {
     pub manifest_cache_bytes: Option<usize>,
     pub immutable_tags: Option<Vec<String>>,
     pub convert_workers: Option<usize>,
+    pub convert_line: Option<usize>,
     pub chunk_zstd_level: Option<i32>,
     pub conversion_lease_secs: Option<u64>,
     pub upstreams: Option<Vec<String>>,
@@ -152,6 +157,10 @@ pub struct ConfigArgs {
     /// Images converted at once (0 queues conversions without running them).
     #[arg(long, env = "AMBER_CONVERT_WORKERS")]
     pub convert_workers: Option<usize>,
+    /// Images one replica lines up in memory for its workers (at least 1); more wait
+    /// in the shared queue in the store, taken as the line empties.
+    #[arg(long, env = "AMBER_CONVERT_LINE")]
+    pub convert_line: Option<usize>,
     /// zstd level (1-19) of the chunks conversions write: lower converts faster and
     /// stores more (BENCHMARKS.md, "Conversion that costs only what is new").
     #[arg(long, env = "AMBER_CHUNK_ZSTD_LEVEL")]
@@ -192,6 +201,9 @@ pub struct Config {
     pub manifest_cache_bytes: usize,
     pub immutable_tags: Vec<String>,
     pub convert_workers: usize,
+    /// The most images lined up in this process beyond its running conversions
+    /// (`convert_queue`): memory for the line stays bounded however long the queue.
+    pub convert_line: usize,
     pub chunk_zstd_level: i32,
     pub conversion_lease_secs: u64,
     pub upstreams: Vec<crate::mirrors::UpstreamSpec>,
@@ -225,6 +237,7 @@ impl Default for Config {
             convert_workers: std::thread::available_parallelism()
                 .map(|n| n.get().max(4))
                 .unwrap_or(4),
+            convert_line: CONVERT_LINE,
             chunk_zstd_level: CHUNK_ZSTD_LEVEL,
             conversion_lease_secs: 60,
             upstreams: Vec::new(),
@@ -334,6 +347,11 @@ impl ConfigArgs {
                 .convert_workers
                 .or(file.convert_workers)
                 .unwrap_or(d.convert_workers),
+            convert_line: self
+                .convert_line
+                .or(file.convert_line)
+                .unwrap_or(d.convert_line)
+                .max(1),
             chunk_zstd_level: self
                 .chunk_zstd_level
                 .or(file.chunk_zstd_level)

@@ -8,7 +8,11 @@
 //! workers takes queued items another replica has not reached yet. Within a replica,
 //! `convert_workers` workers each convert one image, then the next lined-up one
 //! (`Registry::take_conversion`); an item is claimed only when a worker starts on it, so
-//! what waits in one replica's line stays free for any other.
+//! what waits in one replica's line stays free for any other. The line holds at most
+//! `convert_line` images: past it, an item waits in the store alone, and the sweeper
+//! takes more (in key order, a page at a time) when the line is down to half
+//! (`Registry::conversion_refill`) or at its next pass. So a backlog of any length costs
+//! a replica the same memory, and a pass reads only as far as it has room.
 //!
 //! Invariants kept here:
 //! - an item is created before the manifest push that queued it is acknowledged, so an
@@ -232,7 +236,10 @@ pub fn start(reg: &Arc<Registry>) -> anyhow::Result<()> {
         let every = Duration::from_secs((reg.config.conversion_lease_secs / 3).max(1));
         let mut tick = tokio::time::interval(every);
         loop {
-            tick.tick().await;
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = reg.conversion_refill.notified() => {}
+            }
             match sweep(&reg).await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(started = n, "conversions taken from the shared queue"),
@@ -245,38 +252,64 @@ pub fn start(reg: &Arc<Registry>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One pass over the shared queue: removes items whose outcome is recorded, starts here
-/// every item nobody holds. Returns how many it started.
+/// Work items a sweep lists at a time.
+const SWEEP_PAGE: usize = 1000;
+
+/// One pass over the shared queue, in key order: removes items whose outcome is
+/// recorded, and takes here every item nobody holds until this process's line is full.
+/// Returns how many it took.
 pub async fn sweep(reg: &Arc<Registry>) -> anyhow::Result<usize> {
     if reg.config.convert_workers == 0 {
         return Ok(0);
     }
     let mut started = 0;
     let me = reg.replica_id.as_str();
-    for key in reg.store.list_records(RecordKey::CONVERSION_WORK).await? {
-        let Some(image) = key
+    let mut after: Option<String> = None;
+    loop {
+        let page = reg
+            .store
+            .list_records_page(RecordKey::CONVERSION_WORK, after.as_deref(), SWEEP_PAGE)
+            .await?;
+        let Some(last) = page.last() else {
+            return Ok(started);
+        };
+        after = last
             .as_str()
             .strip_prefix(RecordKey::CONVERSION_WORK)
-            .and_then(|d| d.parse::<Digest>().ok())
-        else {
-            continue;
-        };
-        if reg.is_converting(&image) {
-            continue;
+            .map(str::to_string);
+        for key in &page {
+            let Some(image) = key
+                .as_str()
+                .strip_prefix(RecordKey::CONVERSION_WORK)
+                .and_then(|d| d.parse::<Digest>().ok())
+            else {
+                continue;
+            };
+            if reg.is_converting(&image) {
+                continue;
+            }
+            if done(reg, &image).await? {
+                // Its converter died between recording the outcome and removing the item.
+                reg.store.delete_record(key).await?;
+                continue;
+            }
+            let Some((item, _)) = reg.conversion_work(&image).await? else {
+                continue;
+            };
+            if !item.claimable(me, now_unix()) {
+                continue;
+            }
+            match run_here(reg, image) {
+                Taken::Start | Taken::LinedUp => started += 1,
+                Taken::Already => {}
+                // The rest waits for the line to empty (`Registry::conversion_refill`).
+                Taken::Full => return Ok(started),
+            }
         }
-        if done(reg, &image).await? {
-            // Its converter died between recording the outcome and removing the item.
-            reg.store.delete_record(&key).await?;
-            continue;
-        }
-        let Some((item, _)) = reg.conversion_work(&image).await? else {
-            continue;
-        };
-        if item.claimable(me, now_unix()) && run_here(reg, image) {
-            started += 1;
+        if page.len() < SWEEP_PAGE {
+            return Ok(started);
         }
     }
-    Ok(started)
 }
 
 /// Whether `image`'s conversion succeeded (here or on another replica; cached in the
@@ -289,19 +322,17 @@ async fn done(reg: &Registry, image: &Digest) -> Result<bool, RecordError> {
 }
 
 /// Takes `image` into this process's conversions: converts it now if a worker is free,
-/// else lines it up for the next free one; false if this process had it already.
-fn run_here(reg: &Arc<Registry>, image: Digest) -> bool {
+/// else lines it up for the next free one, unless the line is full (its work item then
+/// waits in the store for a later sweep) or this process had it already.
+fn run_here(reg: &Arc<Registry>, image: Digest) -> Taken {
     if reg.config.convert_workers == 0 {
-        return false;
+        return Taken::Full;
     }
-    match reg.take_conversion(&image) {
-        Taken::Start => {
-            spawn_worker(reg, image);
-            true
-        }
-        Taken::LinedUp => true,
-        Taken::Already => false,
+    let taken = reg.take_conversion(&image);
+    if taken == Taken::Start {
+        spawn_worker(reg, image);
     }
+    taken
 }
 
 /// A worker: converts `image`, then each lined-up image in turn until none is left or

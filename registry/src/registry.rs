@@ -63,6 +63,9 @@ pub struct Registry {
     pub replica_id: String,
     /// The conversions this process runs or has lined up (`convert_queue`).
     converting: Mutex<LocalConversions>,
+    /// Notified when this process's line of conversions ran low after it refused images
+    /// (`Taken::Full`): the sweeper then takes more from the shared queue at once.
+    pub conversion_refill: tokio::sync::Notify,
     /// Cancelled when the server stops: background loops end, conversions stop at their
     /// next read or chunk write (their work items stay for a restart or another replica).
     pub stopping: tokio_util::sync::CancellationToken,
@@ -73,12 +76,17 @@ pub struct Registry {
 
 /// This process's share of the conversion queue: the images its workers are converting
 /// (at most `convert_workers`) and the images lined up for the next free worker, oldest
-/// first. A lined-up image costs its digest, not a task waiting on a semaphore.
+/// first (at most `convert_line`). A lined-up image costs its digest, not a task waiting
+/// on a semaphore; an image past the line costs nothing here: its work item in the store
+/// is the queue.
 #[derive(Default)]
 struct LocalConversions {
     running: HashSet<Digest>,
     waiting: VecDeque<Digest>,
     lined_up: HashSet<Digest>,
+    /// An image was refused because the line was full, and the sweeper has not been
+    /// asked to refill since.
+    refused: bool,
 }
 
 /// What `Registry::take_conversion` did with an image.
@@ -90,6 +98,8 @@ pub enum Taken {
     LinedUp,
     /// This process was converting it or had it lined up already.
     Already,
+    /// The line is full: the image stays in the shared queue for a later sweep.
+    Full,
 }
 
 impl Registry {
@@ -108,6 +118,7 @@ impl Registry {
             auth: None,
             replica_id: uuid::Uuid::new_v4().to_string(),
             converting: Mutex::new(LocalConversions::default()),
+            conversion_refill: tokio::sync::Notify::new(),
             stopping: tokio_util::sync::CancellationToken::new(),
             background: tokio_util::task::TaskTracker::new(),
         }
@@ -150,7 +161,7 @@ impl Registry {
     }
 
     /// Takes `image` into this process's conversions: to start now if fewer than
-    /// `convert_workers` run, else lined up.
+    /// `convert_workers` run, else lined up if fewer than `convert_line` are.
     pub fn take_conversion(&self, image: &Digest) -> Taken {
         let mut c = self.converting.lock().unwrap_or_else(|p| p.into_inner());
         if c.running.contains(image) || c.lined_up.contains(image) {
@@ -158,6 +169,9 @@ impl Registry {
         } else if c.running.len() < self.config.convert_workers.max(1) {
             c.running.insert(image.clone());
             Taken::Start
+        } else if c.waiting.len() >= self.config.convert_line.max(1) {
+            c.refused = true;
+            Taken::Full
         } else {
             c.lined_up.insert(image.clone());
             c.waiting.push_back(image.clone());
@@ -166,14 +180,21 @@ impl Registry {
     }
 
     /// Ends this process's conversion of `image`; returns the lined-up image the freed
-    /// worker converts next, if any (it counts as running from here).
+    /// worker converts next, if any (it counts as running from here). Once the line is
+    /// down to half after it refused images, asks the sweeper to refill it.
     pub fn next_conversion(&self, image: &Digest) -> Option<Digest> {
         let mut c = self.converting.lock().unwrap_or_else(|p| p.into_inner());
         c.running.remove(image);
-        let next = c.waiting.pop_front()?;
-        c.lined_up.remove(&next);
-        c.running.insert(next.clone());
-        Some(next)
+        let next = c.waiting.pop_front();
+        if let Some(next) = &next {
+            c.lined_up.remove(next);
+            c.running.insert(next.clone());
+        }
+        if c.refused && c.waiting.len() <= self.config.convert_line / 2 {
+            c.refused = false;
+            self.conversion_refill.notify_one();
+        }
+        next
     }
 
     /// Whether this process is converting `image` or has it lined up.
@@ -302,5 +323,42 @@ mod tests {
         assert_eq!(reg.next_conversion(&c), None);
         assert_eq!(reg.take_conversion(&b), Taken::Start);
         assert_eq!(reg.take_conversion(&a), Taken::LinedUp);
+    }
+
+    /// One worker and a line of two: a fourth image is refused (it stays in the shared
+    /// queue), and once the line is down to half the sweeper is asked for more, once.
+    #[test]
+    fn a_full_line_refuses_images_and_asks_for_more_when_half_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config {
+            data: dir.path().to_path_buf(),
+            convert_workers: 1,
+            convert_line: 2,
+            ..Config::default()
+        };
+        let index = Index::open(&dir.path().join("index")).unwrap();
+        let store = Arc::new(FsStore::open(dir.path().join("store")).unwrap());
+        let reg = Registry::new(config, index, store);
+        let [a, b, c, d] = [1, 2, 3, 4].map(digest);
+        assert_eq!(reg.take_conversion(&a), Taken::Start);
+        assert_eq!(reg.take_conversion(&b), Taken::LinedUp);
+        assert_eq!(reg.take_conversion(&c), Taken::LinedUp);
+        assert_eq!(reg.take_conversion(&d), Taken::Full);
+        assert!(
+            !reg.is_converting(&d),
+            "a refused image is not this process's"
+        );
+        // A request is a stored permit: a `notified()` polled once takes it.
+        let refill_asked =
+            || futures_util::FutureExt::now_or_never(reg.conversion_refill.notified()).is_some();
+        assert!(!refill_asked(), "nothing asked before the line ran low");
+        assert_eq!(reg.next_conversion(&a), Some(b.clone()));
+        assert!(refill_asked(), "one of two left: the sweeper is asked");
+        assert_eq!(reg.next_conversion(&b), Some(c.clone()));
+        assert!(!refill_asked(), "asked once per refusal");
+        assert_eq!(reg.take_conversion(&d), Taken::LinedUp);
+        assert_eq!(reg.next_conversion(&c), Some(d.clone()));
+        assert!(!refill_asked(), "nothing was refused since");
+        assert_eq!(reg.next_conversion(&d), None);
     }
 }

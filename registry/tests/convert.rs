@@ -528,6 +528,43 @@ async fn queued_conversions_resume_after_a_restart_and_done_ones_never_rerun() {
     );
 }
 
+/// A backlog longer than a replica's line: four images queued by a process that converts
+/// nothing, then a process with one worker and a line of one. Its first sweep takes two
+/// (one running, one lined up); the other two wait in the store, and only the line's
+/// request for more (the periodic sweep is 20 minutes away) brings them in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_longer_than_the_line_converts_from_the_shared_queue() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = Server::start_in(tmp.path(), &["--convert-workers", "0"]);
+    let tags = ["a", "b", "c", "d"];
+    for tag in tags {
+        let own = files_tar(&[("task/name", tag.as_bytes())]);
+        push_image(&s, "conv/backlog", tag, &[(own, TAR)]).await;
+    }
+    drop(s);
+    let s = Server::start_in(
+        tmp.path(),
+        &[
+            "--convert-workers",
+            "1",
+            "--convert-line",
+            "1",
+            "--conversion-lease-secs",
+            "3600",
+        ],
+    );
+    for tag in tags {
+        let v = settled(&s, "conv/backlog", tag).await;
+        assert_eq!(v["state"], "done", "{tag}: {v}");
+    }
+    let metrics = metrics_text(&s).await;
+    assert_eq!(
+        metric(&metrics, "amber_conversions_started_total"),
+        4,
+        "{metrics}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigterm_mid_conversion_exits_cleanly_and_the_restart_converts_everything() {
     let tmp = tempfile::tempdir().unwrap();
