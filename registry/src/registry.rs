@@ -294,19 +294,25 @@ mod tests {
         format!("sha256:{}", hex::encode([n; 32])).parse().unwrap()
     }
 
+    /// A registry in `dir` with `workers` conversion workers and a line of `line`.
+    fn registry(dir: &std::path::Path, workers: usize, line: usize) -> Registry {
+        let config = Config {
+            data: dir.to_path_buf(),
+            convert_workers: workers,
+            convert_line: line,
+            ..Config::default()
+        };
+        let index = Index::open(&dir.join("index")).unwrap();
+        let store = Arc::new(FsStore::open(dir.join("store")).unwrap());
+        Registry::new(config, index, store)
+    }
+
     /// Two workers: the first two images start, the rest line up once each and go to
     /// the workers in arrival order as conversions end.
     #[test]
     fn conversions_beyond_the_workers_line_up_in_order() {
         let dir = tempfile::tempdir().unwrap();
-        let config = Config {
-            data: dir.path().to_path_buf(),
-            convert_workers: 2,
-            ..Config::default()
-        };
-        let index = Index::open(&dir.path().join("index")).unwrap();
-        let store = Arc::new(FsStore::open(dir.path().join("store")).unwrap());
-        let reg = Registry::new(config, index, store);
+        let reg = registry(dir.path(), 2, crate::config::CONVERT_LINE);
         let [a, b, c, d] = [1, 2, 3, 4].map(digest);
         assert_eq!(reg.take_conversion(&a), Taken::Start);
         assert_eq!(reg.take_conversion(&b), Taken::Start);
@@ -330,15 +336,7 @@ mod tests {
     #[test]
     fn a_full_line_refuses_images_and_asks_for_more_when_half_empty() {
         let dir = tempfile::tempdir().unwrap();
-        let config = Config {
-            data: dir.path().to_path_buf(),
-            convert_workers: 1,
-            convert_line: 2,
-            ..Config::default()
-        };
-        let index = Index::open(&dir.path().join("index")).unwrap();
-        let store = Arc::new(FsStore::open(dir.path().join("store")).unwrap());
-        let reg = Registry::new(config, index, store);
+        let reg = registry(dir.path(), 1, 2);
         let [a, b, c, d] = [1, 2, 3, 4].map(digest);
         assert_eq!(reg.take_conversion(&a), Taken::Start);
         assert_eq!(reg.take_conversion(&b), Taken::LinedUp);
