@@ -321,9 +321,9 @@ async fn done(reg: &Registry, image: &Digest) -> Result<bool, RecordError> {
         .is_some_and(|c| c.state == ConversionState::Done))
 }
 
-/// Takes `image` into this process's conversions: converts it now if a worker is free,
-/// else lines it up for the next free one, unless the line is full (its work item then
-/// waits in the store for a later sweep) or this process had it already.
+/// Takes `image` into this process's conversions (`Registry::take_conversion`), and
+/// starts a worker on it when one is free. A process without workers takes nothing
+/// (`Taken::Full`).
 fn run_here(reg: &Arc<Registry>, image: Digest) -> Taken {
     if reg.config.convert_workers == 0 {
         return Taken::Full;

@@ -98,7 +98,8 @@ pub enum Taken {
     LinedUp,
     /// This process was converting it or had it lined up already.
     Already,
-    /// The line is full: the image stays in the shared queue for a later sweep.
+    /// Not taken: the line is full (or this process converts nothing), so the image
+    /// stays in the shared queue for a later sweep or another replica.
     Full,
 }
 
@@ -169,7 +170,7 @@ impl Registry {
         } else if c.running.len() < self.config.convert_workers.max(1) {
             c.running.insert(image.clone());
             Taken::Start
-        } else if c.waiting.len() >= self.config.convert_line.max(1) {
+        } else if c.waiting.len() >= self.config.convert_line {
             c.refused = true;
             Taken::Full
         } else {
