@@ -403,6 +403,9 @@ fn convert_and_keep(
                 {
                     return Err(e)
                 }
+                // Cut short by the shutdown: converting every layer would be cut short
+                // too, after a warning that misleads.
+                Err(e) if reg.stopping.is_cancelled() => return Err(e),
                 Err(e) => {
                     // A kept state is derived data: if it cannot be used (a chunk it
                     // names unreadable, say), convert every layer instead.

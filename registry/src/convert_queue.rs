@@ -215,23 +215,9 @@ pub async fn enqueue(reg: &Arc<Registry>, repo: &RepoName, image: &Digest) -> an
 /// queueing, from the index, those of a version that kept its queue there), then every
 /// third of a lease.
 pub fn start(reg: &Arc<Registry>) -> anyhow::Result<()> {
-    let legacy: Vec<(Digest, String)> = reg
-        .index
-        .conversions()?
-        .into_iter()
-        .filter(|(_, c)| matches!(c.state, ConversionState::Queued | ConversionState::Running))
-        .map(|(d, c)| (d, c.repo))
-        .collect();
     reg.spawn_background(move |reg| async move {
-        for (image, repo) in legacy {
-            if reg.conversion_work(&image).await.ok().flatten().is_some() {
-                continue;
-            }
-            if let Ok(repo) = RepoName::parse(&repo) {
-                if let Err(e) = enqueue(&reg, &repo, &image).await {
-                    tracing::warn!(%image, error = %format!("{e:#}"), "re-queueing a conversion");
-                }
-            }
+        if let Err(e) = requeue_from_index(&reg).await {
+            tracing::warn!(error = %format!("{e:#}"), "re-queueing conversions the index holds");
         }
         let every = Duration::from_secs((reg.config.conversion_lease_secs / 3).max(1));
         let mut tick = tokio::time::interval(every);
@@ -250,6 +236,39 @@ pub fn start(reg: &Arc<Registry>) -> anyhow::Result<()> {
         }
     });
     Ok(())
+}
+
+/// Index conversion records read at a time when re-queueing those of the index.
+const INDEX_PAGE: usize = 1000;
+
+/// Queues, as shared work items, the conversions the index says are queued or running
+/// but which have no work item (a version before the shared queue kept its queue in the
+/// index). Reads the index a page at a time: memory stays that of one page however many
+/// images the index holds (a million records read at once were most of a starting
+/// registry's peak memory).
+async fn requeue_from_index(reg: &Arc<Registry>) -> anyhow::Result<()> {
+    let mut after: Option<Digest> = None;
+    loop {
+        let page = reg.index.conversions_page(after.as_ref(), INDEX_PAGE)?;
+        let full = page.len() == INDEX_PAGE;
+        after = page.last().map(|(d, _)| d.clone());
+        for (image, c) in page {
+            if !matches!(c.state, ConversionState::Queued | ConversionState::Running) {
+                continue;
+            }
+            if reg.conversion_work(&image).await?.is_some() {
+                continue;
+            }
+            if let Ok(repo) = RepoName::parse(&c.repo) {
+                if let Err(e) = enqueue(reg, &repo, &image).await {
+                    tracing::warn!(%image, error = %format!("{e:#}"), "re-queueing a conversion");
+                }
+            }
+        }
+        if !full {
+            return Ok(());
+        }
+    }
 }
 
 /// Work items a sweep lists at a time.

@@ -22,6 +22,7 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use crate::index::{ManifestRecord, ManifestWrite};
+use crate::manifest_cache::ManifestReadError;
 use crate::records::RecordError;
 use crate::registry::Registry;
 use crate::store::{ObjectKey, StoreError};
@@ -121,6 +122,9 @@ pub async fn store_manifest(
     reg.store
         .put(&ObjectKey::blob(&digest), bytes.clone())
         .await?;
+    reg.manifests
+        .pushed(&reg.index, &digest, &bytes)
+        .map_err(RecordError::from)?;
     let tag = match reference {
         Reference::Tag(t) => Some(t),
         Reference::Digest(_) => None,
@@ -178,6 +182,15 @@ pub enum LookupError {
     Index(#[from] crate::index::IndexError),
 }
 
+impl From<ManifestReadError> for LookupError {
+    fn from(e: ManifestReadError) -> LookupError {
+        match e {
+            ManifestReadError::Store(e) => LookupError::Store(e),
+            ManifestReadError::Index(e) => LookupError::Index(e),
+        }
+    }
+}
+
 /// The image a stored manifest stands for, and where its conversion stands.
 pub struct ImageConversion {
     /// The manifest itself, or an index's linux/amd64 entry.
@@ -199,7 +212,10 @@ pub async fn image_conversion(
     use amber_oci::manifest::ManifestKind;
     let mut image = digest.clone();
     if ManifestKind::of(media_type) == Some(ManifestKind::Index) {
-        let bytes = reg.manifests.read(reg.store.as_ref(), digest).await?;
+        let bytes = reg
+            .manifests
+            .read(&reg.index, reg.store.as_ref(), digest)
+            .await?;
         let index = parse_manifest(&bytes, Some(media_type)).map_err(|source| {
             LookupError::CorruptIndex {
                 digest: digest.clone(),

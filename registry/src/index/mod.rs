@@ -23,6 +23,13 @@
 //! - `stats_history` hour (u64 BE)          -> stored bytes then, u64 LE
 //! - `envs`       env digest                -> EnvInfo (noted once)
 //! - `chunk_refs` chunk id                  -> envs naming it, u64 LE (merged additions)
+//! - `manifest_bytes` manifest digest       -> the manifest's bytes, exactly as pushed (a
+//!   copy of the store's object, written unsynced at push and on a read that missed it:
+//!   a GET reads it with the manifest's record, with no file to open; a lost write is
+//!   read from the store again)
+//!
+//! A family this build does not know (one a later build added) is opened and left alone,
+//! so an index written by a later build still opens here.
 
 mod totals;
 
@@ -42,7 +49,7 @@ use bytes::Bytes;
 
 use crate::bytes_cache::BytesCache;
 
-const CFS: [&str; 14] = [
+const CFS: [&str; 15] = [
     "repos",
     "tags",
     "manifests",
@@ -57,6 +64,7 @@ const CFS: [&str; 14] = [
     "stats_history",
     "envs",
     "chunk_refs",
+    "manifest_bytes",
 ];
 /// The families whose values are counters (merge operands add).
 const COUNTER_CFS: [&str; 2] = ["stats", "chunk_refs"];
@@ -274,6 +282,19 @@ impl Index {
         // a tag, a blob) meets more level-0 files: a bloom filter per file turns each
         // file that cannot hold the key into a probe in memory instead of a block read.
         let table = lookup_tables(&rocksdb::Cache::new_lru_cache(INDEX_BLOCK_CACHE)?);
+        // Families of a later build are opened too (RocksDB refuses to open a database
+        // without all of them), with default options: nothing here reads them.
+        let later: Vec<String> = match DB::list_cf(&opts, path) {
+            Ok(names) => names
+                .into_iter()
+                .filter(|n| n != rocksdb::DEFAULT_COLUMN_FAMILY_NAME && !CFS.contains(&n.as_str()))
+                .collect(),
+            // No database yet: it is created with this build's families.
+            Err(_) => Vec::new(),
+        };
+        let later = later
+            .into_iter()
+            .map(|n| ColumnFamilyDescriptor::new(n, Options::default()));
         let cfs = CFS.iter().map(|n| {
             let mut o = Options::default();
             o.set_block_based_table_factory(&table);
@@ -291,7 +312,7 @@ impl Index {
             }
             ColumnFamilyDescriptor::new(*n, o)
         });
-        let db = DB::open_cf_descriptors(&opts, path, cfs)?;
+        let db = DB::open_cf_descriptors(&opts, path, cfs.chain(later))?;
         let index = Index {
             db,
             held: BytesCache::new(INDEX_HELD, |k: &Vec<u8>| k.capacity() + 24),
@@ -320,10 +341,13 @@ impl Index {
     /// The value of `key` in family `f`, from memory when held there.
     fn get_held(&self, f: Held, key: &[u8]) -> Result<Option<Bytes>, IndexError> {
         self.held.get_or_read(f.key(key).as_slice(), || {
-            Ok(self
-                .db
-                .get_pinned_cf(self.cf(f.cf()), key)?
-                .map(|v| Bytes::copy_from_slice(&v)))
+            // Not held: the lookup may read the disk.
+            crate::blocking::run(|| {
+                Ok(self
+                    .db
+                    .get_pinned_cf(self.cf(f.cf()), key)?
+                    .map(|v| Bytes::copy_from_slice(&v)))
+            })
         })
     }
 
@@ -636,6 +660,28 @@ impl Index {
         Ok(decode(&prefix, list.as_deref())?.unwrap_or_default())
     }
 
+    /// The bytes of manifest `digest`, when the index has a copy. May read the disk (on
+    /// the async runtime, off its worker: see `crate::blocking`).
+    pub fn manifest_bytes(&self, digest: &Digest) -> Result<Option<Bytes>, IndexError> {
+        let key = digest.to_string();
+        Ok(crate::blocking::run(|| {
+            self.db
+                .get_pinned_cf(self.cf("manifest_bytes"), key.as_bytes())
+                .map(|v| v.map(|v| Bytes::copy_from_slice(&v)))
+        })?)
+    }
+
+    /// Keeps a copy of the bytes of manifest `digest`, which the caller has checked are
+    /// the manifest's. Not synced: a copy lost in a crash is read from the store again.
+    pub fn put_manifest_bytes(&self, digest: &Digest, bytes: &[u8]) -> Result<(), IndexError> {
+        let key = digest.to_string();
+        crate::blocking::run(|| {
+            self.db
+                .put_cf(self.cf("manifest_bytes"), key.as_bytes(), bytes)
+        })?;
+        Ok(())
+    }
+
     pub fn conversion(&self, image: &Digest) -> Result<Option<Conversion>, IndexError> {
         self.get_held_json(Held::Conversions, image.to_string().as_bytes())
     }
@@ -651,22 +697,36 @@ impl Index {
         Ok(())
     }
 
-    /// Every conversion record (for resuming unfinished ones after a restart).
-    pub fn conversions(&self) -> Result<Vec<(Digest, Conversion)>, IndexError> {
-        let mut out = Vec::new();
-        for item in self
-            .db
-            .iterator_cf(self.cf("conversions"), IteratorMode::Start)
-        {
-            let (k, v) = item?;
-            let key = String::from_utf8_lossy(&k).into_owned();
-            let Ok(d) = key.parse::<Digest>() else {
-                continue;
-            };
-            let c =
-                serde_json::from_slice(&v).map_err(|source| IndexError::Corrupt { key, source })?;
-            out.push((d, c));
-        }
+    /// Up to `limit` conversion records in key order, starting after `after` (for
+    /// resuming unfinished ones after a restart, a page at a time: a million records
+    /// held at once were most of a starting registry's memory).
+    pub fn conversions_page(
+        &self,
+        after: Option<&Digest>,
+        limit: usize,
+    ) -> Result<Vec<(Digest, Conversion)>, IndexError> {
+        let start = after.map(|d| d.to_string()).unwrap_or_default();
+        let mode = IteratorMode::From(start.as_bytes(), Direction::Forward);
+        let mut out = Vec::with_capacity(limit.min(1024));
+        crate::blocking::run(|| {
+            for item in self.db.iterator_cf(self.cf("conversions"), mode) {
+                let (k, v) = item?;
+                if after.is_some() && *k == *start.as_bytes() {
+                    continue;
+                }
+                let key = String::from_utf8_lossy(&k).into_owned();
+                let Ok(d) = key.parse::<Digest>() else {
+                    continue;
+                };
+                let c = serde_json::from_slice(&v)
+                    .map_err(|source| IndexError::Corrupt { key, source })?;
+                out.push((d, c));
+                if out.len() == limit {
+                    break;
+                }
+            }
+            Ok::<_, IndexError>(())
+        })?;
         Ok(out)
     }
 
@@ -820,6 +880,74 @@ mod tests {
             None,
             "a refused push writes nothing"
         );
+    }
+
+    /// An index a later build wrote, with a family this build does not know, opens and
+    /// keeps what it holds (RocksDB refuses to open a database without every family).
+    #[test]
+    fn an_index_with_a_family_of_a_later_build_opens() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = RepoName::parse("a/b").unwrap();
+        let d = Digest::of(Algorithm::Sha256, b"m");
+        {
+            let ix = Index::open(dir.path()).unwrap();
+            ix.put_manifest_bytes(&d, b"{}").unwrap();
+            ix.put_manifest(ManifestWrite {
+                repo: &repo,
+                digest: &d,
+                record: rec(),
+                tag: None,
+                tag_immutable: false,
+                referrer: None,
+            })
+            .unwrap();
+        }
+        {
+            let mut later = DB::open_cf(&Options::default(), dir.path(), CFS).unwrap();
+            later
+                .create_cf("from_a_later_build", &Options::default())
+                .unwrap();
+        }
+        let ix = Index::open(dir.path()).unwrap();
+        assert_eq!(ix.manifest(&repo, &d).unwrap(), Some(rec()));
+        assert_eq!(ix.manifest_bytes(&d).unwrap().as_deref(), Some(&b"{}"[..]));
+    }
+
+    /// Conversion records page in key order, each once, however the pages fall.
+    #[test]
+    fn conversions_page_in_key_order_each_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let ix = Index::open(dir.path()).unwrap();
+        let mut images: Vec<Digest> = (0..7u8)
+            .map(|i| Digest::of(Algorithm::Sha256, &[i]))
+            .collect();
+        for image in &images {
+            let c = Conversion {
+                repo: "a/b".into(),
+                state: ConversionState::Queued,
+                error: None,
+                env_digest: None,
+                updated_unix: 1,
+                started_unix: None,
+            };
+            ix.put_conversion(image, &c).unwrap();
+        }
+        images.sort_by_key(|d| d.to_string());
+        for limit in [1, 3, 7, 10] {
+            let mut seen = Vec::new();
+            let mut after: Option<Digest> = None;
+            loop {
+                let page = ix.conversions_page(after.as_ref(), limit).unwrap();
+                assert!(page.len() <= limit);
+                after = page.last().map(|(d, _)| d.clone());
+                let full = page.len() == limit;
+                seen.extend(page.into_iter().map(|(d, _)| d));
+                if !full {
+                    break;
+                }
+            }
+            assert_eq!(seen, images, "pages of {limit}");
+        }
     }
 
     /// The families held in memory answer every write at once, and the same from disk
