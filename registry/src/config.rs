@@ -147,7 +147,8 @@ pub struct ConfigArgs {
     /// Largest manifest accepted, in bytes.
     #[arg(long, env = "AMBER_MAX_MANIFEST_BYTES")]
     pub max_manifest_bytes: Option<usize>,
-    /// Bytes of manifests held in memory for GETs (0: none; see `manifest_cache`).
+    /// Bytes of manifests held in memory for GETs (0: no copies at all, in memory or in
+    /// the index: every GET reads the store; see `manifest_cache`).
     #[arg(long, env = "AMBER_MANIFEST_CACHE_BYTES")]
     pub manifest_cache_bytes: Option<usize>,
     /// Repositories whose tags never move once set: exact names, or prefixes ending in

@@ -39,13 +39,18 @@ pub enum ManifestReadError {
 
 pub struct ManifestCache {
     held: BytesCache<Digest>,
+    /// Keeps no copies (a budget of 0).
+    off: bool,
 }
 
 impl ManifestCache {
-    /// A cache holding at most `budget` bytes of manifests in memory (0: none).
+    /// A cache holding at most `budget` bytes of manifests in memory. 0 turns it off:
+    /// no copies at all, in memory or in the index, so every GET reads the store (what a
+    /// test that tampers with the store's objects needs to reach the client).
     pub fn new(budget: usize) -> ManifestCache {
         ManifestCache {
             held: BytesCache::new(budget, |d| std::mem::size_of::<Digest>() + d.hex().len()),
+            off: budget == 0,
         }
     }
 
@@ -57,6 +62,10 @@ impl ManifestCache {
         store: &dyn ObjectStore,
         digest: &Digest,
     ) -> Result<Bytes, ManifestReadError> {
+        if self.off {
+            metrics::counter!(MISSES).increment(1);
+            return Ok(store.read_all(&ObjectKey::blob(digest)).await?);
+        }
         let ticket = match self.held.get(digest) {
             Ok(bytes) => {
                 metrics::counter!(HITS).increment(1);
@@ -84,6 +93,9 @@ impl ManifestCache {
 
     /// Keeps `bytes`, just pushed and checked to be manifest `digest`'s.
     pub fn pushed(&self, index: &Index, digest: &Digest, bytes: &Bytes) -> Result<(), IndexError> {
+        if self.off {
+            return Ok(());
+        }
         index.put_manifest_bytes(digest, bytes)?;
         self.held.set(digest.clone(), bytes.clone());
         Ok(())
@@ -110,10 +122,10 @@ mod tests {
         let cache = ManifestCache::new(1 << 20);
         assert_eq!(cache.read(&index, &store, &digest).await.unwrap(), body);
         // Gone from the store (which never happens to a manifest): still served, from
-        // memory, and from the index's copy by a cache that holds nothing in memory.
+        // memory, and from the index's copy by a cache with nothing in memory yet.
         store.remove(&ObjectKey::blob(&digest)).await.unwrap();
         assert_eq!(cache.read(&index, &store, &digest).await.unwrap(), body);
-        let cold = ManifestCache::new(0);
+        let cold = ManifestCache::new(1 << 20);
         assert_eq!(cold.read(&index, &store, &digest).await.unwrap(), body);
         // A manifest the store lacks is the store's error, and nothing is held for it.
         let missing = Digest::of(Algorithm::Sha256, b"not pushed");
@@ -132,6 +144,17 @@ mod tests {
             cold.read(&index, &store, &pushed_digest).await.unwrap(),
             pushed
         );
+        // Turned off (a budget of 0), it keeps nothing and reads the store every time.
+        let off = ManifestCache::new(0);
+        let err = off.read(&index, &store, &digest).await.unwrap_err();
+        assert!(
+            matches!(err, ManifestReadError::Store(StoreError::NotFound(_))),
+            "{err}"
+        );
+        let unkept = Bytes::from_static(br#"{"schemaVersion":2,"off":1}"#);
+        let unkept_digest = Digest::of(Algorithm::Sha256, &unkept);
+        off.pushed(&index, &unkept_digest, &unkept).unwrap();
+        assert_eq!(index.manifest_bytes(&unkept_digest).unwrap(), None);
     }
 
     /// Bytes in the store that are not the manifest its digest names are served as
