@@ -20,7 +20,8 @@ use bytes::Bytes;
 
 use crate::bytes_cache::BytesCache;
 use crate::index::{Index, IndexError};
-use crate::store::{ObjectKey, ObjectStore, StoreError};
+use crate::records::RecordError;
+use crate::store::{ObjectKey, ObjectStore};
 use amber_oci::digest::Digest;
 
 /// Manifest reads answered from memory, from the index's copy, and from the store
@@ -28,14 +29,6 @@ use amber_oci::digest::Digest;
 pub const HITS: &str = "amber_manifest_cache_hits_total";
 pub const INDEX_HITS: &str = "amber_manifest_cache_index_hits_total";
 pub const MISSES: &str = "amber_manifest_cache_misses_total";
-
-#[derive(Debug, thiserror::Error)]
-pub enum ManifestReadError {
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error(transparent)]
-    Index(#[from] IndexError),
-}
 
 pub struct ManifestCache {
     held: BytesCache<Digest>,
@@ -61,7 +54,7 @@ impl ManifestCache {
         index: &Index,
         store: &dyn ObjectStore,
         digest: &Digest,
-    ) -> Result<Bytes, ManifestReadError> {
+    ) -> Result<Bytes, RecordError> {
         if self.off {
             metrics::counter!(MISSES).increment(1);
             return Ok(store.read_all(&ObjectKey::blob(digest)).await?);
@@ -106,19 +99,26 @@ impl ManifestCache {
 mod tests {
     use super::*;
     use crate::store::fs::FsStore;
+    use crate::store::StoreError;
     use amber_oci::digest::Algorithm;
 
-    #[tokio::test]
-    async fn a_manifest_read_once_is_served_from_memory_or_the_index_with_the_same_bytes() {
+    /// A store and an index in a fresh directory, with `bytes` stored as manifest `digest`.
+    async fn stored(digest: &Digest, bytes: &Bytes) -> (tempfile::TempDir, FsStore, Index) {
         let dir = tempfile::tempdir().unwrap();
         let store = FsStore::open(dir.path().join("store")).unwrap();
         let index = Index::open(&dir.path().join("index")).unwrap();
-        let body = Bytes::from_static(br#"{"schemaVersion":2}"#);
-        let digest = Digest::of(Algorithm::Sha256, &body);
         store
-            .put(&ObjectKey::blob(&digest), body.clone())
+            .put(&ObjectKey::blob(digest), bytes.clone())
             .await
             .unwrap();
+        (dir, store, index)
+    }
+
+    #[tokio::test]
+    async fn a_manifest_read_once_is_served_from_memory_or_the_index_with_the_same_bytes() {
+        let body = Bytes::from_static(br#"{"schemaVersion":2}"#);
+        let digest = Digest::of(Algorithm::Sha256, &body);
+        let (_dir, store, index) = stored(&digest, &body).await;
         let cache = ManifestCache::new(1 << 20);
         assert_eq!(cache.read(&index, &store, &digest).await.unwrap(), body);
         // Gone from the store (which never happens to a manifest): still served, from
@@ -131,7 +131,7 @@ mod tests {
         let missing = Digest::of(Algorithm::Sha256, b"not pushed");
         let err = cache.read(&index, &store, &missing).await.unwrap_err();
         assert!(
-            matches!(err, ManifestReadError::Store(StoreError::NotFound(_))),
+            matches!(err, RecordError::Store(StoreError::NotFound(_))),
             "{err}"
         );
         assert_eq!(cache.held.held().1, 1, "only the manifest read is held");
@@ -148,7 +148,7 @@ mod tests {
         let off = ManifestCache::new(0);
         let err = off.read(&index, &store, &digest).await.unwrap_err();
         assert!(
-            matches!(err, ManifestReadError::Store(StoreError::NotFound(_))),
+            matches!(err, RecordError::Store(StoreError::NotFound(_))),
             "{err}"
         );
         let unkept = Bytes::from_static(br#"{"schemaVersion":2,"off":1}"#);
@@ -161,15 +161,9 @@ mod tests {
     /// stored but never kept as the manifest's.
     #[tokio::test]
     async fn a_stored_object_that_does_not_match_its_digest_is_not_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = FsStore::open(dir.path().join("store")).unwrap();
-        let index = Index::open(&dir.path().join("index")).unwrap();
         let digest = Digest::of(Algorithm::Sha256, b"the real manifest");
         let wrong = Bytes::from_static(b"something else");
-        store
-            .put(&ObjectKey::blob(&digest), wrong.clone())
-            .await
-            .unwrap();
+        let (_dir, store, index) = stored(&digest, &wrong).await;
         let cache = ManifestCache::new(1 << 20);
         assert_eq!(cache.read(&index, &store, &digest).await.unwrap(), wrong);
         assert_eq!(cache.held.held().1, 0);

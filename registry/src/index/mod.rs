@@ -284,17 +284,13 @@ impl Index {
         let table = lookup_tables(&rocksdb::Cache::new_lru_cache(INDEX_BLOCK_CACHE)?);
         // Families of a later build are opened too (RocksDB refuses to open a database
         // without all of them), with default options: nothing here reads them.
-        let later: Vec<String> = match DB::list_cf(&opts, path) {
-            Ok(names) => names
-                .into_iter()
-                .filter(|n| n != rocksdb::DEFAULT_COLUMN_FAMILY_NAME && !CFS.contains(&n.as_str()))
-                .collect(),
-            // No database yet: it is created with this build's families.
-            Err(_) => Vec::new(),
-        };
-        let later = later
+        // (No database yet: it is created with this build's families.)
+        let later: Vec<ColumnFamilyDescriptor> = DB::list_cf(&opts, path)
+            .unwrap_or_default()
             .into_iter()
-            .map(|n| ColumnFamilyDescriptor::new(n, Options::default()));
+            .filter(|n| n != rocksdb::DEFAULT_COLUMN_FAMILY_NAME && !CFS.contains(&n.as_str()))
+            .map(|n| ColumnFamilyDescriptor::new(n, Options::default()))
+            .collect();
         let cfs = CFS.iter().map(|n| {
             let mut o = Options::default();
             o.set_block_based_table_factory(&table);
