@@ -20,8 +20,7 @@ use bytes::Bytes;
 
 use crate::bytes_cache::BytesCache;
 use crate::index::{Index, IndexError};
-use crate::records::RecordError;
-use crate::store::{ObjectKey, ObjectStore};
+use crate::store::{ObjectKey, ObjectStore, StoreError};
 use amber_oci::digest::Digest;
 
 /// Manifest reads answered from memory, from the index's copy, and from the store
@@ -29,6 +28,14 @@ use amber_oci::digest::Digest;
 pub const HITS: &str = "amber_manifest_cache_hits_total";
 pub const INDEX_HITS: &str = "amber_manifest_cache_index_hits_total";
 pub const MISSES: &str = "amber_manifest_cache_misses_total";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestReadError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Index(#[from] IndexError),
+}
 
 pub struct ManifestCache {
     held: BytesCache<Digest>,
@@ -54,7 +61,7 @@ impl ManifestCache {
         index: &Index,
         store: &dyn ObjectStore,
         digest: &Digest,
-    ) -> Result<Bytes, RecordError> {
+    ) -> Result<Bytes, ManifestReadError> {
         if self.off {
             metrics::counter!(MISSES).increment(1);
             return Ok(store.read_all(&ObjectKey::blob(digest)).await?);
@@ -99,7 +106,6 @@ impl ManifestCache {
 mod tests {
     use super::*;
     use crate::store::fs::FsStore;
-    use crate::store::StoreError;
     use amber_oci::digest::Algorithm;
 
     /// A store and an index in a fresh directory, with `bytes` stored as manifest `digest`.
@@ -131,7 +137,7 @@ mod tests {
         let missing = Digest::of(Algorithm::Sha256, b"not pushed");
         let err = cache.read(&index, &store, &missing).await.unwrap_err();
         assert!(
-            matches!(err, RecordError::Store(StoreError::NotFound(_))),
+            matches!(err, ManifestReadError::Store(StoreError::NotFound(_))),
             "{err}"
         );
         assert_eq!(cache.held.held().1, 1, "only the manifest read is held");
@@ -148,7 +154,7 @@ mod tests {
         let off = ManifestCache::new(0);
         let err = off.read(&index, &store, &digest).await.unwrap_err();
         assert!(
-            matches!(err, RecordError::Store(StoreError::NotFound(_))),
+            matches!(err, ManifestReadError::Store(StoreError::NotFound(_))),
             "{err}"
         );
         let unkept = Bytes::from_static(br#"{"schemaVersion":2,"off":1}"#);

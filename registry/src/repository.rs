@@ -22,6 +22,7 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use crate::index::{ManifestRecord, ManifestWrite};
+use crate::manifest_cache::ManifestReadError;
 use crate::records::RecordError;
 use crate::registry::Registry;
 use crate::store::{ObjectKey, StoreError};
@@ -123,7 +124,7 @@ pub async fn store_manifest(
         .await?;
     reg.manifests
         .pushed(&reg.index, &digest, &bytes)
-        .map_err(RecordError::Index)?;
+        .map_err(RecordError::from)?;
     let tag = match reference {
         Reference::Tag(t) => Some(t),
         Reference::Digest(_) => None,
@@ -179,6 +180,15 @@ pub enum LookupError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Index(#[from] crate::index::IndexError),
+}
+
+impl From<ManifestReadError> for LookupError {
+    fn from(e: ManifestReadError) -> LookupError {
+        match e {
+            ManifestReadError::Store(e) => LookupError::Store(e),
+            ManifestReadError::Index(e) => LookupError::Index(e),
+        }
+    }
 }
 
 /// The image a stored manifest stands for, and where its conversion stands.
