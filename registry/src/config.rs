@@ -23,8 +23,8 @@ pub const CHUNK_ZSTD_LEVEL: i32 = 9;
 pub const CONVERT_LINE: usize = 4096;
 
 /// Default bytes of manifests held in memory for GETs (`manifest_cache_bytes`): about
-/// 50,000 task-image manifests of a kilobyte or so. What it adds to peak RSS at a million
-/// images (goal: under 512 MiB) has not been measured yet.
+/// 50,000 task-image manifests of a kilobyte or so. With it full, the registry peaked at
+/// 379-407 MiB at a million images (pushing, reading; BENCHMARKS.md, goal under 512 MiB).
 pub const MANIFEST_CACHE_BYTES: usize = 64 << 20;
 
 /// Which object store backend holds content.

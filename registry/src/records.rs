@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use crate::index::{Conversion, ConversionState, IndexError, ManifestRecord, ManifestWrite};
 use crate::registry::Registry;
-use crate::store::{RecordKey, StoreError};
+use crate::store::{ObjectKey, RecordKey, StoreError};
 use amber_oci::digest::Digest;
 use amber_oci::names::{RepoName, Tag};
 
@@ -364,6 +364,49 @@ impl Registry {
         Ok(())
     }
 
+    /// The bytes of manifest `digest`: from memory, else from the index's copy, else from
+    /// the store (then kept in both, once checked against the digest).
+    pub async fn manifest_bytes(&self, digest: &Digest) -> Result<Bytes, RecordError> {
+        use crate::manifest_cache::{Held, HITS, INDEX_HITS, MISSES};
+        let ticket = match self.manifests.get(digest) {
+            Held::Bytes(bytes) => {
+                metrics::counter!(HITS).increment(1);
+                return Ok(bytes);
+            }
+            Held::Off => {
+                metrics::counter!(MISSES).increment(1);
+                return Ok(self.store.read_all(&ObjectKey::blob(digest)).await?);
+            }
+            Held::Missing(ticket) => ticket,
+        };
+        if let Some(bytes) = self.index.manifest_bytes(digest)? {
+            metrics::counter!(INDEX_HITS).increment(1);
+            self.manifests.fill(ticket, digest, bytes.clone());
+            return Ok(bytes);
+        }
+        metrics::counter!(MISSES).increment(1);
+        let bytes = self.store.read_all(&ObjectKey::blob(digest)).await?;
+        if Digest::of(digest.algorithm(), &bytes) == *digest {
+            self.index.put_manifest_bytes(digest, &bytes)?;
+            self.manifests.fill(ticket, digest, bytes.clone());
+        } else {
+            // Served as stored (the store's own checks are for its scrub to report), but
+            // never kept as the manifest's bytes.
+            tracing::warn!(%digest, "stored manifest does not match its digest; not cached");
+        }
+        Ok(bytes)
+    }
+
+    /// Keeps `bytes`, just pushed and checked to be manifest `digest`'s, in memory and in
+    /// the index (unsynced: a copy lost in a crash is read from the store again).
+    pub fn manifest_pushed(&self, digest: &Digest, bytes: &Bytes) -> Result<(), RecordError> {
+        if self.manifests.on() {
+            self.index.put_manifest_bytes(digest, bytes)?;
+            self.manifests.set(digest, bytes.clone());
+        }
+        Ok(())
+    }
+
     /// Records how an image's conversion ended (done or failed), for every replica and
     /// for `reindex`, and returns the outcome the store keeps: the first one recorded,
     /// except that a success replaces a failure (a later attempt that succeeded).
@@ -433,5 +476,105 @@ impl Registry {
             _ => self.index.put_conversion(image, c)?,
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::index::Index;
+    use crate::manifest_cache::ManifestCache;
+    use crate::store::fs::FsStore;
+    use crate::store::ObjectStore;
+    use amber_oci::digest::Algorithm;
+    use std::sync::Arc;
+
+    /// A registry in a fresh directory keeping `budget` bytes of manifests in memory, with
+    /// `bytes` stored as manifest `digest`.
+    async fn stored(
+        budget: usize,
+        digest: &Digest,
+        bytes: &Bytes,
+    ) -> (tempfile::TempDir, Registry) {
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config {
+            data: dir.path().to_path_buf(),
+            manifest_cache_bytes: budget,
+            ..Config::default()
+        };
+        let index = Index::open(&dir.path().join("index")).unwrap();
+        let store = Arc::new(FsStore::open(dir.path().join("store")).unwrap());
+        store
+            .put(&ObjectKey::blob(digest), bytes.clone())
+            .await
+            .unwrap();
+        (dir, Registry::new(config, index, store))
+    }
+
+    #[tokio::test]
+    async fn a_manifest_read_once_is_served_from_memory_or_the_index_with_the_same_bytes() {
+        let body = Bytes::from_static(br#"{"schemaVersion":2}"#);
+        let digest = Digest::of(Algorithm::Sha256, &body);
+        let (_dir, mut reg) = stored(1 << 20, &digest, &body).await;
+        assert_eq!(reg.manifest_bytes(&digest).await.unwrap(), body);
+        // Gone from the store (which never happens to a manifest): still served, from
+        // memory, and from the index's copy once memory holds nothing.
+        reg.store.remove(&ObjectKey::blob(&digest)).await.unwrap();
+        assert_eq!(reg.manifest_bytes(&digest).await.unwrap(), body);
+        reg.manifests = ManifestCache::new(1 << 20);
+        assert_eq!(reg.manifest_bytes(&digest).await.unwrap(), body);
+        assert_eq!(reg.manifests.held_count(), 1, "the index's copy is held");
+        // A manifest the store lacks is the store's error, and nothing is kept for it.
+        let missing = Digest::of(Algorithm::Sha256, b"not pushed");
+        let err = reg.manifest_bytes(&missing).await.unwrap_err();
+        assert!(
+            matches!(err, RecordError::Store(StoreError::NotFound(_))),
+            "{err}"
+        );
+        assert_eq!(
+            reg.manifests.held_count(),
+            1,
+            "only the manifest read is held"
+        );
+        assert_eq!(reg.index.manifest_bytes(&missing).unwrap(), None);
+        // A pushed manifest is served without the store, from memory or the index.
+        let pushed = Bytes::from_static(br#"{"schemaVersion":2,"pushed":1}"#);
+        let pushed_digest = Digest::of(Algorithm::Sha256, &pushed);
+        reg.manifest_pushed(&pushed_digest, &pushed).unwrap();
+        assert_eq!(reg.manifest_bytes(&pushed_digest).await.unwrap(), pushed);
+        reg.manifests = ManifestCache::new(1 << 20);
+        assert_eq!(reg.manifest_bytes(&pushed_digest).await.unwrap(), pushed);
+    }
+
+    /// A budget of 0 keeps no copies, in memory or in the index: every read is the
+    /// store's (a test that tampers with a stored manifest sees its tampering).
+    #[tokio::test]
+    async fn a_cache_of_zero_bytes_keeps_no_copies_and_reads_the_store() {
+        let body = Bytes::from_static(br#"{"schemaVersion":2,"off":1}"#);
+        let digest = Digest::of(Algorithm::Sha256, &body);
+        let (_dir, reg) = stored(0, &digest, &body).await;
+        reg.manifest_pushed(&digest, &body).unwrap();
+        assert_eq!(reg.manifest_bytes(&digest).await.unwrap(), body);
+        assert_eq!(reg.index.manifest_bytes(&digest).unwrap(), None);
+        assert_eq!(reg.manifests.held_count(), 0);
+        reg.store.remove(&ObjectKey::blob(&digest)).await.unwrap();
+        let err = reg.manifest_bytes(&digest).await.unwrap_err();
+        assert!(
+            matches!(err, RecordError::Store(StoreError::NotFound(_))),
+            "{err}"
+        );
+    }
+
+    /// Bytes in the store that are not the manifest its digest names are served as
+    /// stored but never kept as the manifest's.
+    #[tokio::test]
+    async fn a_stored_object_that_does_not_match_its_digest_is_not_kept() {
+        let digest = Digest::of(Algorithm::Sha256, b"the real manifest");
+        let wrong = Bytes::from_static(b"something else");
+        let (_dir, reg) = stored(1 << 20, &digest, &wrong).await;
+        assert_eq!(reg.manifest_bytes(&digest).await.unwrap(), wrong);
+        assert_eq!(reg.manifests.held_count(), 0);
+        assert_eq!(reg.index.manifest_bytes(&digest).unwrap(), None);
     }
 }

@@ -22,7 +22,6 @@ use bytes::Bytes;
 use serde_json::Value;
 
 use crate::index::{ManifestRecord, ManifestWrite};
-use crate::manifest_cache::ManifestReadError;
 use crate::records::RecordError;
 use crate::registry::Registry;
 use crate::store::{ObjectKey, StoreError};
@@ -122,9 +121,7 @@ pub async fn store_manifest(
     reg.store
         .put(&ObjectKey::blob(&digest), bytes.clone())
         .await?;
-    reg.manifests
-        .pushed(&reg.index, &digest, &bytes)
-        .map_err(RecordError::from)?;
+    reg.manifest_pushed(&digest, &bytes)?;
     let tag = match reference {
         Reference::Tag(t) => Some(t),
         Reference::Digest(_) => None,
@@ -182,15 +179,6 @@ pub enum LookupError {
     Index(#[from] crate::index::IndexError),
 }
 
-impl From<ManifestReadError> for LookupError {
-    fn from(e: ManifestReadError) -> LookupError {
-        match e {
-            ManifestReadError::Store(e) => LookupError::Store(e),
-            ManifestReadError::Index(e) => LookupError::Index(e),
-        }
-    }
-}
-
 /// The image a stored manifest stands for, and where its conversion stands.
 pub struct ImageConversion {
     /// The manifest itself, or an index's linux/amd64 entry.
@@ -212,10 +200,7 @@ pub async fn image_conversion(
     use amber_oci::manifest::ManifestKind;
     let mut image = digest.clone();
     if ManifestKind::of(media_type) == Some(ManifestKind::Index) {
-        let bytes = reg
-            .manifests
-            .read(&reg.index, reg.store.as_ref(), digest)
-            .await?;
+        let bytes = reg.manifest_bytes(digest).await?;
         let index = parse_manifest(&bytes, Some(media_type)).map_err(|source| {
             LookupError::CorruptIndex {
                 digest: digest.clone(),

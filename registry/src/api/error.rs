@@ -150,16 +150,6 @@ impl From<StoreError> for ApiError {
     }
 }
 
-impl From<crate::manifest_cache::ManifestReadError> for ApiError {
-    fn from(e: crate::manifest_cache::ManifestReadError) -> ApiError {
-        use crate::manifest_cache::ManifestReadError;
-        match e {
-            ManifestReadError::Store(e) => e.into(),
-            ManifestReadError::Index(e) => e.into(),
-        }
-    }
-}
-
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = serde_json::json!({

@@ -64,10 +64,7 @@ pub async fn get(reg: &AppState, name: RepoName, r: Reference, head: bool) -> Ap
     let body = if head {
         axum::body::Body::empty()
     } else {
-        let bytes = reg
-            .manifests
-            .read(&reg.index, reg.store.as_ref(), &digest)
-            .await?;
+        let bytes = reg.manifest_bytes(&digest).await?;
         metrics::counter!(crate::metrics::BYTES_OUT).increment(bytes.len() as u64);
         axum::body::Body::from(bytes)
     };

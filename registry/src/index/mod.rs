@@ -337,13 +337,11 @@ impl Index {
     /// The value of `key` in family `f`, from memory when held there.
     fn get_held(&self, f: Held, key: &[u8]) -> Result<Option<Bytes>, IndexError> {
         self.held.get_or_read(f.key(key).as_slice(), || {
-            // Not held: the lookup may read the disk.
-            crate::blocking::run(|| {
-                Ok(self
-                    .db
-                    .get_pinned_cf(self.cf(f.cf()), key)?
-                    .map(|v| Bytes::copy_from_slice(&v)))
-            })
+            // Not held: a lookup, on this thread (see `crate::blocking`).
+            Ok(self
+                .db
+                .get_pinned_cf(self.cf(f.cf()), key)?
+                .map(|v| Bytes::copy_from_slice(&v)))
         })
     }
 
@@ -656,25 +654,21 @@ impl Index {
         Ok(decode(&prefix, list.as_deref())?.unwrap_or_default())
     }
 
-    /// The bytes of manifest `digest`, when the index has a copy. May read the disk (on
-    /// the async runtime, off its worker: see `crate::blocking`).
+    /// The bytes of manifest `digest`, when the index has a copy.
     pub fn manifest_bytes(&self, digest: &Digest) -> Result<Option<Bytes>, IndexError> {
         let key = digest.to_string();
-        Ok(crate::blocking::run(|| {
-            self.db
-                .get_pinned_cf(self.cf("manifest_bytes"), key.as_bytes())
-                .map(|v| v.map(|v| Bytes::copy_from_slice(&v)))
-        })?)
+        Ok(self
+            .db
+            .get_pinned_cf(self.cf("manifest_bytes"), key.as_bytes())?
+            .map(|v| Bytes::copy_from_slice(&v)))
     }
 
     /// Keeps a copy of the bytes of manifest `digest`, which the caller has checked are
     /// the manifest's. Not synced: a copy lost in a crash is read from the store again.
     pub fn put_manifest_bytes(&self, digest: &Digest, bytes: &[u8]) -> Result<(), IndexError> {
         let key = digest.to_string();
-        crate::blocking::run(|| {
-            self.db
-                .put_cf(self.cf("manifest_bytes"), key.as_bytes(), bytes)
-        })?;
+        self.db
+            .put_cf(self.cf("manifest_bytes"), key.as_bytes(), bytes)?;
         Ok(())
     }
 

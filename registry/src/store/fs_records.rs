@@ -132,15 +132,12 @@ impl RecordDb {
     /// The value of record `key`.
     pub fn get(&self, key: &str) -> Result<Option<Bytes>, StoreError> {
         self.held.get_or_read(key, || {
-            // Not held: the lookup may read the disk (on the async runtime, off its
-            // worker: see `crate::blocking`).
-            crate::blocking::run(|| {
-                Ok(self
-                    .db
-                    .get(key.as_bytes())
-                    .map_err(|e| db_err(format!("reading record {key}"), e))?
-                    .map(Bytes::from))
-            })
+            // Not held: a lookup, on this thread (see `crate::blocking`).
+            Ok(self
+                .db
+                .get(key.as_bytes())
+                .map_err(|e| db_err(format!("reading record {key}"), e))?
+                .map(Bytes::from))
         })
     }
 
