@@ -58,6 +58,7 @@ impl ManifestCache {
         !self.off
     }
 
+    /// What memory holds of manifest `digest` (with the ticket to fill it on a miss).
     pub fn get(&self, digest: &Digest) -> Held {
         if self.off {
             return Held::Off;
