@@ -483,12 +483,8 @@ impl Registry {
 mod tests {
     use super::*;
     use crate::config::Config;
-    use crate::index::Index;
     use crate::manifest_cache::ManifestCache;
-    use crate::store::fs::FsStore;
-    use crate::store::ObjectStore;
     use amber_oci::digest::Algorithm;
-    use std::sync::Arc;
 
     /// A registry in a fresh directory keeping `budget` bytes of manifests in memory, with
     /// `bytes` stored as manifest `digest`.
@@ -503,13 +499,12 @@ mod tests {
             manifest_cache_bytes: budget,
             ..Config::default()
         };
-        let index = Index::open(&dir.path().join("index")).unwrap();
-        let store = Arc::new(FsStore::open(dir.path().join("store")).unwrap());
-        store
+        let reg = Registry::in_data_dir(config);
+        reg.store
             .put(&ObjectKey::blob(digest), bytes.clone())
             .await
             .unwrap();
-        (dir, Registry::new(config, index, store))
+        (dir, reg)
     }
 
     #[tokio::test]

@@ -125,6 +125,14 @@ impl Registry {
         }
     }
 
+    /// A registry over an index and an fs store in `config.data` (tests).
+    #[cfg(test)]
+    pub(crate) fn in_data_dir(config: Config) -> Registry {
+        let index = Index::open(&config.data.join("index")).unwrap();
+        let store = Arc::new(FsStore::open(config.data.join("store")).unwrap());
+        Registry::new(config, index, store)
+    }
+
     /// Runs `task(registry)` as background work that `stop_background` waits for; it ends
     /// by itself once `stopping` is cancelled (a conversion worker).
     pub fn spawn_tracked<F, Fut>(self: &Arc<Self>, task: F)
@@ -303,9 +311,7 @@ mod tests {
             convert_line: line,
             ..Config::default()
         };
-        let index = Index::open(&dir.join("index")).unwrap();
-        let store = Arc::new(FsStore::open(dir.join("store")).unwrap());
-        Registry::new(config, index, store)
+        Registry::in_data_dir(config)
     }
 
     /// Two workers: the first two images start, the rest line up once each and go to

@@ -267,10 +267,7 @@ impl Registry {
 mod tests {
     use super::*;
     use crate::config::Config;
-    use crate::index::Index;
-    use crate::store::fs::FsStore;
     use futures_util::stream;
-    use std::sync::Arc;
 
     fn registry(dir: &std::path::Path, ttl: u64) -> Registry {
         let config = Config {
@@ -278,9 +275,7 @@ mod tests {
             upload_ttl_secs: ttl,
             ..Config::default()
         };
-        let index = Index::open(&dir.join("index")).unwrap();
-        let store = Arc::new(FsStore::open(dir.join("store")).unwrap());
-        Registry::new(config, index, store)
+        Registry::in_data_dir(config)
     }
 
     async fn session(reg: &Registry, updated: u64, data: &'static [u8], acked: u64) -> SessionId {
