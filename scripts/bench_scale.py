@@ -20,14 +20,31 @@ SECONDS = 10
 # a million, so a read meets the index's memory as a client spread over the whole registry would.
 SAMPLE = 1_000_000
 
+# The paths live in one Lua string with their offsets in a C array, so Lua's collector
+# has two objects to mark instead of a table of up to a million strings: with the table,
+# wrk's own pauses (each collector pass and string-table rehash stalls every connection of
+# its thread) put p99s of 100-500 ms on GETs that a packet capture saw answered within
+# 15 ms (BENCHMARKS.md, "Metadata at scale").
 LUA = """
-local paths = {}
+local ffi = require("ffi")
+local data, starts, count
 init = function(args)
-  for line in io.lines(args[1]) do paths[#paths + 1] = line end
+  local f = assert(io.open(args[1], "rb"))
+  data = f:read("*a")
+  f:close()
+  count = select(2, data:gsub("\\n", ""))
+  starts = ffi.new("int32_t[?]", count + 1)
+  local pos = 1
+  for i = 0, count - 1 do
+    starts[i] = pos
+    pos = data:find("\\n", pos, true) + 1
+  end
+  starts[count] = pos
   math.randomseed(os.time() + tonumber(tostring({}):sub(8), 16))
 end
 request = function()
-  return wrk.format("GET", paths[math.random(#paths)])
+  local i = math.random(count) - 1
+  return wrk.format("GET", data:sub(starts[i], starts[i + 1] - 2))
 end
 """
 
@@ -219,7 +236,8 @@ def scale_section(res):
         "referrer, an artifact manifest with a report blob), conversion on, into one `amber-registry` on local disk",
         "(RocksDB index). Ingest: from the first push to every image's `resolve` answering `done`. Reads: wrk, 64",
         f"connections, {SECONDS} s each, GETs of paths drawn at random from the pushed images (manifests by tag and",
-        "by digest, tag lists, catalog pages of 100 after a random repository, referrers, resolve).",
+        "by digest, tag lists, catalog pages of 100 after a random repository, referrers, resolve; the paths are held",
+        "in one Lua string, outside LuaJIT's collector, so that wrk's percentiles are the wire's).",
         "",
         "| images | ingest (images/s) | " + " | ".join(
             f"{k} req/s, p50 / p99 (ms)" for k in last["reads"]) + " | RSS (MiB) |",
