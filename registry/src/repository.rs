@@ -214,7 +214,13 @@ pub async fn image_conversion(
     }
     // Another replica may have converted it: the store's record fills the index.
     let record = reg.conversion(&image).await?;
-    let env = match reg.index.image_env(&image)? {
+    // A success carries its env digest (written with the image's env mapping in one
+    // batch): the mapping is looked up only for a record without one.
+    let done_env = record
+        .as_ref()
+        .filter(|c| c.state == crate::index::ConversionState::Done)
+        .and_then(|c| c.env_digest.clone());
+    let env = match done_env.map_or_else(|| reg.index.image_env(&image), |e| Ok(Some(e)))? {
         Some(e) => Some(e.parse().map_err(|_| LookupError::CorruptEnv(e))?),
         None => None,
     };
