@@ -80,6 +80,13 @@ const INDEX_WAL_BUDGET: u64 = 32 << 20;
 /// filter blocks its reads use. Without it each column family made its own 32 MiB one,
 /// up to 448 MiB as the index grew.
 const INDEX_BLOCK_CACHE: usize = 64 << 20;
+/// Compression of the tables of a database read by point lookups (the index, the fs
+/// store's records), at every level. At a million images nearly every lookup misses the
+/// block cache and decompresses a block: with zstd at the bottom level (where most data
+/// settles) its decompression was 8% of the registry's CPU in GETs by tag, and LZ4 there
+/// served 30% more of them per second (BENCHMARKS.md, "Metadata at scale") for tables
+/// 1.4-1.7x larger (about 1.8 KiB of index and records per image instead of 1.1).
+pub(crate) const LOOKUP_COMPRESSION: rocksdb::DBCompressionType = rocksdb::DBCompressionType::Lz4;
 /// Bloom filter bits per key: about 1% of lookups of an absent key read a block.
 const BLOOM_BITS_PER_KEY: f64 = 10.0;
 /// Bytes of values of the families every resolve and manifest GET reads ([`Held`])
@@ -220,8 +227,12 @@ pub struct Index {
 /// larger than a shard of the cache (1/64 of it), so the cache dropped it again at once
 /// and every lookup read and checksummed it from the file: 40% of the registry's CPU in
 /// the records database's lookups at 10,000 images of the scale benchmark (6% after).
+///
+/// Data blocks carry a hash index beside their binary-search one (a key found in one
+/// probe instead of a search over the block's restart points).
 pub(crate) fn lookup_tables(cache: &rocksdb::Cache) -> rocksdb::BlockBasedOptions {
     let mut table = rocksdb::BlockBasedOptions::default();
+    table.set_data_block_index_type(rocksdb::DataBlockIndexType::BinaryAndHash);
     table.set_block_cache(cache);
     table.set_bloom_filter(BLOOM_BITS_PER_KEY, false);
     table.set_index_type(rocksdb::BlockBasedIndexType::TwoLevelIndexSearch);
@@ -294,10 +305,7 @@ impl Index {
         let cfs = CFS.iter().map(|n| {
             let mut o = Options::default();
             o.set_block_based_table_factory(&table);
-            // Keys and values are mostly hex digests and JSON: LZ4 where data is young
-            // and rewritten soon, zstd (entropy coding halves hex) where it settles.
-            o.set_compression_type(rocksdb::DBCompressionType::Lz4);
-            o.set_bottommost_compression_type(rocksdb::DBCompressionType::Zstd);
+            o.set_compression_type(LOOKUP_COMPRESSION);
             if COUNTER_CFS.contains(n) {
                 o.set_merge_operator_associative("add_u64", totals::add_u64);
                 // A read folds every addition still in the memtable: without a bound,

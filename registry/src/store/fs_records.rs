@@ -99,8 +99,7 @@ impl RecordDb {
         opts.create_if_missing(true);
         opts.set_write_buffer_size(WRITE_BUFFER);
         opts.set_max_total_wal_size(WAL_BUDGET);
-        opts.set_compression_type(rocksdb::DBCompressionType::Lz4);
-        opts.set_bottommost_compression_type(rocksdb::DBCompressionType::Zstd);
+        opts.set_compression_type(crate::index::LOOKUP_COMPRESSION);
         let cache = rocksdb::Cache::new_lru_cache(BLOCK_CACHE)
             .map_err(|e| db_err("records database block cache", e))?;
         opts.set_block_based_table_factory(&crate::index::lookup_tables(&cache));
