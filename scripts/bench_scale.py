@@ -23,8 +23,8 @@ SAMPLE = 1_000_000
 # The paths live in one Lua string with their offsets in a C array, so Lua's collector
 # has two objects to mark instead of a table of up to a million strings: with the table,
 # wrk's own pauses (each collector pass and string-table rehash stalls every connection of
-# its thread) put p99s of 100-500 ms on GETs that a packet capture saw answered within
-# 15 ms (BENCHMARKS.md, "Metadata at scale").
+# its thread) put p99s of 137-227 ms on GETs that a packet capture saw answered within
+# 25 ms (BENCHMARKS.md, "Metadata at scale"). The file must end with a newline.
 LUA = """
 local ffi = require("ffi")
 local data, starts, count

@@ -83,9 +83,10 @@ const INDEX_BLOCK_CACHE: usize = 64 << 20;
 /// Compression of the tables of a database read by point lookups (the index, the fs
 /// store's records), at every level. At a million images nearly every lookup misses the
 /// block cache and decompresses a block: with zstd at the bottom level (where most data
-/// settles) its decompression was 8% of the registry's CPU in GETs by tag, and LZ4 there
-/// served 30% more of them per second (BENCHMARKS.md, "Metadata at scale") for tables
-/// 1.4-1.7x larger (about 1.8 KiB of index and records per image instead of 1.1).
+/// settles) its decompression was 8% of the registry's CPU in GETs by tag; with LZ4
+/// the registry served 15-17% more GETs by tag and by digest per second (interleaved
+/// runs; BENCHMARKS.md, "Metadata at scale") from tables 1.4-1.7x larger (about 1.8 KiB
+/// of index and records per image instead of 1.1).
 pub(crate) const LOOKUP_COMPRESSION: rocksdb::DBCompressionType = rocksdb::DBCompressionType::Lz4;
 /// Bloom filter bits per key: about 1% of lookups of an absent key read a block.
 const BLOOM_BITS_PER_KEY: f64 = 10.0;
