@@ -1,7 +1,7 @@
 //! The bytes of the manifests this registry serves, held in memory for GETs by tag or by
 //! digest, within `manifest_cache_bytes` (`crate::bytes_cache`). Behind it, in the order
 //! a read tries them (`Registry::manifest_bytes`, records.rs): the index's copy
-//! (`manifest_bytes`: a key in a compressed table, read with the manifest's record), then
+//! (`manifest_bytes`: one more lookup in a table of the index, by digest), then
 //! the store's object (on local disk an open, two stats, a read and a close of a file in a
 //! tree of millions; on S3 a GET), which then fills both. Pushes fill both too.
 //!

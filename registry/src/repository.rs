@@ -216,14 +216,15 @@ pub async fn image_conversion(
     let record = reg.conversion(&image).await?;
     // A success carries its env digest (written with the image's env mapping in one
     // batch): the mapping is looked up only for a record without one.
-    let done_env = record
-        .as_ref()
-        .filter(|c| c.state == crate::index::ConversionState::Done)
-        .and_then(|c| c.env_digest.clone());
-    let env = match done_env.map_or_else(|| reg.index.image_env(&image), |e| Ok(Some(e)))? {
-        Some(e) => Some(e.parse().map_err(|_| LookupError::CorruptEnv(e))?),
-        None => None,
+    let env = match record.as_ref() {
+        Some(c) if c.state == crate::index::ConversionState::Done && c.env_digest.is_some() => {
+            c.env_digest.clone()
+        }
+        _ => reg.index.image_env(&image)?,
     };
+    let env = env
+        .map(|e| e.parse().map_err(|_| LookupError::CorruptEnv(e)))
+        .transpose()?;
     let state = match (&env, &record) {
         (Some(_), _) => State::Done,
         (None, Some(c)) => match c.state {

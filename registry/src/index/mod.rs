@@ -87,7 +87,7 @@ const INDEX_BLOCK_CACHE: usize = 64 << 20;
 /// the registry served 15-17% more GETs by tag and by digest per second (interleaved
 /// runs; BENCHMARKS.md, "Metadata at scale") from tables 1.4-1.7x larger (about 1.8 KiB
 /// of index and records per image instead of 1.1).
-pub(crate) const LOOKUP_COMPRESSION: rocksdb::DBCompressionType = rocksdb::DBCompressionType::Lz4;
+const LOOKUP_COMPRESSION: rocksdb::DBCompressionType = rocksdb::DBCompressionType::Lz4;
 /// Bloom filter bits per key: about 1% of lookups of an absent key read a block.
 const BLOOM_BITS_PER_KEY: f64 = 10.0;
 /// Bytes of values of the families every resolve and manifest GET reads ([`Held`])
@@ -231,7 +231,7 @@ pub struct Index {
 ///
 /// Data blocks carry a hash index beside their binary-search one (a key found in one
 /// probe instead of a search over the block's restart points).
-pub(crate) fn lookup_tables(cache: &rocksdb::Cache) -> rocksdb::BlockBasedOptions {
+fn lookup_tables(cache: &rocksdb::Cache) -> rocksdb::BlockBasedOptions {
     let mut table = rocksdb::BlockBasedOptions::default();
     table.set_data_block_index_type(rocksdb::DataBlockIndexType::BinaryAndHash);
     table.set_block_cache(cache);
@@ -243,6 +243,23 @@ pub(crate) fn lookup_tables(cache: &rocksdb::Cache) -> rocksdb::BlockBasedOption
     table.set_pin_top_level_index_and_filter(true);
     table.set_pin_l0_filter_and_index_blocks_in_cache(true);
     table
+}
+
+/// Sets `o` (a database's or a column family's options) up for point lookups: `table`
+/// (from [`lookup_tables`]) and [`LOOKUP_COMPRESSION`] at every level.
+fn for_lookups(o: &mut Options, table: &rocksdb::BlockBasedOptions) {
+    o.set_block_based_table_factory(table);
+    o.set_compression_type(LOOKUP_COMPRESSION);
+}
+
+/// Sets up the options of a database read by point lookups (the fs store's records)
+/// with its own block cache of `cache_bytes`.
+pub(crate) fn lookup_db(o: &mut Options, cache_bytes: usize) -> Result<(), rocksdb::Error> {
+    for_lookups(
+        o,
+        &lookup_tables(&rocksdb::Cache::new_lru_cache(cache_bytes)?),
+    );
+    Ok(())
 }
 
 fn key2(a: &str, b: &str) -> Vec<u8> {
@@ -305,8 +322,7 @@ impl Index {
             .collect();
         let cfs = CFS.iter().map(|n| {
             let mut o = Options::default();
-            o.set_block_based_table_factory(&table);
-            o.set_compression_type(LOOKUP_COMPRESSION);
+            for_lookups(&mut o, &table);
             if COUNTER_CFS.contains(n) {
                 o.set_merge_operator_associative("add_u64", totals::add_u64);
                 // A read folds every addition still in the memtable: without a bound,

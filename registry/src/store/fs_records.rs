@@ -99,10 +99,8 @@ impl RecordDb {
         opts.create_if_missing(true);
         opts.set_write_buffer_size(WRITE_BUFFER);
         opts.set_max_total_wal_size(WAL_BUDGET);
-        opts.set_compression_type(crate::index::LOOKUP_COMPRESSION);
-        let cache = rocksdb::Cache::new_lru_cache(BLOCK_CACHE)
+        crate::index::lookup_db(&mut opts, BLOCK_CACHE)
             .map_err(|e| db_err("records database block cache", e))?;
-        opts.set_block_based_table_factory(&crate::index::lookup_tables(&cache));
         let db = DB::open(&opts, &path)
             .map_err(|e| db_err(format!("records database {}", path.display()), e))?;
         let records = RecordDb {
