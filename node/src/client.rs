@@ -33,6 +33,22 @@ impl ClientError {
     }
 }
 
+/// An error and its causes on one line (reqwest's own message says only that sending
+/// failed; the cause says why: no such socket, refused, reset).
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        if !text.contains(&c_text) {
+            text.push_str(": ");
+            text.push_str(&c_text);
+        }
+        cause = c.source();
+    }
+    text
+}
+
 pub struct NodeClient {
     http: reqwest::Client,
     socket: String,
@@ -59,7 +75,7 @@ impl NodeClient {
     async fn send(&self, req: reqwest::RequestBuilder) -> Result<reqwest::Response, ClientError> {
         let r = req.send().await.map_err(|e| ClientError::Unreachable {
             socket: self.socket.clone(),
-            error: e.to_string(),
+            error: with_causes(&e),
         })?;
         if r.status().is_success() || r.status().as_u16() == 101 {
             return Ok(r);

@@ -6,7 +6,7 @@
 //! there is never more than one (the file holds its PID); before serving it stops any VM a dead predecessor left
 //! and reports those sandboxes lost (`Node::recover`). SIGTERM or SIGINT stop every
 //! sandbox, then the daemon. Started by the CLI on demand (`exit_when_idle`), it exits
-//! `LINGER` after its last sandbox (or prefetch) ended.
+//! `LINGER` after its last sandbox, prefetch or API request ended.
 //!
 //! `ensure_running` is the client side: it starts a daemon when none answers (a
 //! detached process of its own, which prints `ready` once it serves, or `running` when
@@ -57,7 +57,8 @@ pub struct DaemonConfig {
     pub limits: Limits,
     /// Also serve on this TCP address, requiring this bearer token.
     pub tcp: Option<(SocketAddr, String)>,
-    /// Exit `LINGER` after the last sandbox or prefetch ended (a daemon the CLI started).
+    /// Exit `LINGER` after the last sandbox, prefetch or request ended (a daemon the CLI
+    /// started).
     pub exit_when_idle: bool,
 }
 
@@ -106,10 +107,21 @@ pub async fn serve(
         std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o660))
             .map_err(io(&sock))?;
     }
+    // Servers stop gracefully (answering what they were asked) once `stop` says so.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let until_stopped = move || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
     let mut servers = tokio::task::JoinSet::new();
-    let app = crate::http::router(node.clone(), None);
+    let app = counted(&node, crate::http::router(node.clone(), None));
+    let shutdown = until_stopped();
     servers.spawn(async move {
-        let _ = axum::serve(unix, app).await;
+        let _ = axum::serve(unix, app)
+            .with_graceful_shutdown(shutdown)
+            .await;
     });
     let mut tcp_addr = None;
     if let Some((addr, token)) = &config.tcp {
@@ -117,9 +129,15 @@ pub async fn serve(
             .await
             .map_err(io(Path::new(&addr.to_string())))?;
         tcp_addr = listener.local_addr().ok();
-        let app = crate::http::router(node.clone(), Some(token.clone()));
+        let app = counted(
+            &node,
+            crate::http::router(node.clone(), Some(token.clone())),
+        );
+        let shutdown = until_stopped();
         servers.spawn(async move {
-            let _ = axum::serve(listener, app).await;
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await;
         });
     }
     ready(tcp_addr);
@@ -147,10 +165,40 @@ pub async fn serve(
         }
     }
     node.stop_all("amberd stopped").await;
-    servers.abort_all();
+    // New clients find no socket (and start a daemon, which waits for this one's lock);
+    // requests already accepted are answered, within a bound (an attached stream ends
+    // with its sandbox, but a client may hold its connection open).
     let _ = std::fs::remove_file(&sock);
+    let _ = stop.send(true);
+    if tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while servers.join_next().await.is_some() {}
+    })
+    .await
+    .is_err()
+    {
+        servers.abort_all();
+    }
     drop(lock);
     Ok(())
+}
+
+/// How long a stopping daemon answers the requests it already accepted.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// `app` with each request counted as work of `node`, which keeps a daemon started on
+/// demand from exiting under a client (`Node::answering`).
+fn counted(node: &Arc<Node>, app: axum::Router) -> axum::Router {
+    let node = node.clone();
+    app.layer(axum::middleware::from_fn(
+        move |req: axum::extract::Request, next: axum::middleware::Next| {
+            let work = node.answering();
+            async move {
+                let response = next.run(req).await;
+                drop(work);
+                response
+            }
+        },
+    ))
 }
 
 /// Makes sure an amberd serves `home`, starting one with `start_daemon` when none

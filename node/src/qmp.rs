@@ -1,9 +1,7 @@
 //! A QEMU Machine Protocol client: one command at a time over a VM's QMP socket
-//! (`-qmp unix:…`), JSON lines, asynchronous events skipped. Enough to stop a VM,
-//! migrate it to a file, load one and continue (`vm.rs`), per QEMU's
-//! docs/interop/qmp-spec.rst.
-
-use std::path::Path;
+//! (`-qmp unix:…`, which `vm.rs` connects once QEMU listens), JSON lines, asynchronous
+//! events skipped. Enough to stop a VM, migrate it to a file, load one and continue
+//! (`vm.rs`), per QEMU's docs/interop/qmp-spec.rst.
 
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -12,12 +10,6 @@ use tokio::net::UnixStream;
 /// Why a QMP command did not succeed.
 #[derive(Debug, thiserror::Error)]
 pub enum QmpError {
-    #[error("QMP socket {path}: {source}")]
-    Connect {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
     #[error("QMP: {0}")]
     Io(#[from] std::io::Error),
     #[error("QMP closed the connection during {0}")]
@@ -38,14 +30,9 @@ pub struct Qmp {
 }
 
 impl Qmp {
-    /// Connects, reads the greeting and leaves capabilities negotiation mode.
-    pub async fn connect(path: &Path) -> Result<Qmp, QmpError> {
-        let s = UnixStream::connect(path)
-            .await
-            .map_err(|source| QmpError::Connect {
-                path: path.display().to_string(),
-                source,
-            })?;
+    /// Reads the greeting on a connected QMP socket and leaves capabilities negotiation
+    /// mode.
+    pub async fn over(s: UnixStream) -> Result<Qmp, QmpError> {
         let (r, w) = s.into_split();
         let mut q = Qmp {
             reader: BufReader::new(r),

@@ -302,21 +302,27 @@ pub struct Node {
     pinned_envs: Mutex<HashMap<String, amber_oci::env::EnvDigest>>,
     /// Prefetches running (they keep an idle daemon up as sandboxes do).
     prefetches: Arc<AtomicUsize>,
-    /// Told whenever a sandbox or a prefetch ends (the daemon's idle exit waits on it).
+    /// API requests being answered (`answering`): they keep an idle daemon up too, and
+    /// the end of each restarts its linger, so a client that just found the daemon gets
+    /// its next request answered.
+    requests: Arc<AtomicUsize>,
+    /// Told whenever a sandbox, a prefetch or a request ends (the daemon's idle exit
+    /// waits on it).
     pub changed: Arc<tokio::sync::Notify>,
 }
 
-/// Counts one running prefetch while alive.
-struct PrefetchRunning(Arc<AtomicUsize>, Arc<tokio::sync::Notify>);
+/// One prefetch or request under way, counted while alive; tells `Node::changed` when it
+/// ends.
+pub struct Work(Arc<AtomicUsize>, Arc<tokio::sync::Notify>);
 
-impl PrefetchRunning {
-    fn new(n: &Arc<AtomicUsize>, changed: &Arc<tokio::sync::Notify>) -> PrefetchRunning {
+impl Work {
+    fn new(n: &Arc<AtomicUsize>, changed: &Arc<tokio::sync::Notify>) -> Work {
         n.fetch_add(1, Ordering::SeqCst);
-        PrefetchRunning(n.clone(), changed.clone())
+        Work(n.clone(), changed.clone())
     }
 }
 
-impl Drop for PrefetchRunning {
+impl Drop for Work {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
         self.1.notify_waiters();
@@ -353,13 +359,22 @@ impl Node {
             inner: Mutex::new(Inner::default()),
             pinned_envs: Mutex::new(HashMap::new()),
             prefetches: Arc::new(AtomicUsize::new(0)),
+            requests: Arc::new(AtomicUsize::new(0)),
             changed: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
-    /// Whether anything runs: a sandbox (or a create), or a prefetch.
+    /// Whether anything runs: a sandbox (or a create), a prefetch, or a request.
     pub fn busy(&self) -> bool {
-        self.live_count() > 0 || self.prefetches.load(Ordering::SeqCst) > 0
+        self.live_count() > 0
+            || self.prefetches.load(Ordering::SeqCst) > 0
+            || self.requests.load(Ordering::SeqCst) > 0
+    }
+
+    /// Counts one API request while the returned guard lives (the daemon holds one per
+    /// request it answers).
+    pub fn answering(&self) -> Work {
+        Work::new(&self.requests, &self.changed)
     }
 
     /// Sandboxes creating or running, counting creates still resolving their image.
@@ -1087,7 +1102,7 @@ impl Node {
             fetched_bytes: 0,
         });
         let exports = self.exports.clone();
-        let running = PrefetchRunning::new(&self.prefetches, &self.changed);
+        let running = Work::new(&self.prefetches, &self.changed);
         tokio::spawn(async move {
             let _running = running;
             let mut last = Instant::now();

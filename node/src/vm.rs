@@ -34,8 +34,8 @@ pub enum VmError {
         status: std::process::ExitStatus,
         stderr: String,
     },
-    #[error("QEMU never opened the control socket {0}")]
-    NoControlSocket(PathBuf),
+    #[error("QEMU did not listen on {} within {} s", .0.display(), SOCKET_WAIT.as_secs())]
+    NoSocket(PathBuf),
     #[error("talking to the guest agent: {0}")]
     Io(#[from] std::io::Error),
     #[error("the guest could not start the sandbox: {0}")]
@@ -322,28 +322,8 @@ impl Vm {
                 qemu: spec.qemu.clone(),
                 source,
             })?;
-        // QEMU creates the control socket (server=on) before the guest starts: wait for
-        // that event, bounded, watching for QEMU failing first.
-        let mut stream = None;
-        for _ in 0..2000 {
-            if let Ok(c) = tokio::net::UnixStream::connect(&ctl).await {
-                stream = Some(c);
-                break;
-            }
-            if let Some(st) = qemu.try_wait()? {
-                let mut err = String::new();
-                if let Some(mut e) = qemu.stderr.take() {
-                    use tokio::io::AsyncReadExt;
-                    let _ = e.read_to_string(&mut err).await;
-                }
-                return Err(VmError::QemuExited {
-                    status: st,
-                    stderr: err,
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        let stream = stream.ok_or_else(|| VmError::NoControlSocket(ctl.clone()))?;
+        // QEMU creates the control socket (server=on) before the guest starts.
+        let stream = listening(&ctl, &mut qemu).await?;
         let (mux, _) = Mux::new(stream);
         Ok(Vm {
             qemu,
@@ -416,7 +396,7 @@ impl Vm {
             return Err(VmError::NotQuiesced(QUIESCE_S));
         }
         let quiesced_ms = started.elapsed().as_millis();
-        let mut qmp = Qmp::connect(&self.qmp).await?;
+        let mut qmp = self.qmp().await?;
         qmp.execute("stop", json!({})).await?;
         // One pass over a stopped VM: no bandwidth limit (QEMU's default is 128 MiB/s).
         qmp.execute(
@@ -458,7 +438,7 @@ impl Vm {
         let mut vm = Self::spawn(spec, &["-incoming", "defer", "-S"]).await?;
         vm.protocol = protocol;
         let restored = async {
-            let mut qmp = Qmp::connect(&vm.qmp).await?;
+            let mut qmp = vm.qmp().await?;
             qmp.execute(
                 "migrate-incoming",
                 json!({"uri": format!("file:{}", state.display())}),
@@ -483,6 +463,13 @@ impl Vm {
                 Err(e)
             }
         }
+    }
+
+    /// A QMP connection. QEMU opens its sockets one after another, so the QMP socket
+    /// may not listen yet when the control socket already does (a restore's first step).
+    async fn qmp(&mut self) -> Result<Qmp, VmError> {
+        let stream = listening(&self.qmp, &mut self.qemu).await?;
+        Ok(Qmp::over(stream).await?)
     }
 
     /// The last lines the guest kernel wrote on its console.
@@ -515,5 +502,41 @@ impl Vm {
     /// Waits for QEMU to exit on its own.
     pub async fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
         self.qemu.wait().await
+    }
+}
+
+/// How long QEMU may take to listen on one of its sockets after it started.
+const SOCKET_WAIT: Duration = Duration::from_secs(10);
+
+/// Connects to the socket QEMU serves at `path` (`server=on`), waiting (bounded by
+/// `SOCKET_WAIT`) while it does not exist or listen yet; QEMU exiting first is its own
+/// error, with what QEMU printed.
+async fn listening(
+    path: &Path,
+    qemu: &mut tokio::process::Child,
+) -> Result<tokio::net::UnixStream, VmError> {
+    let deadline = tokio::time::Instant::now() + SOCKET_WAIT;
+    loop {
+        match tokio::net::UnixStream::connect(path).await {
+            Ok(s) => return Ok(s),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                ) => {}
+            Err(e) => return Err(VmError::Io(e)),
+        }
+        if let Some(status) = qemu.try_wait()? {
+            let mut stderr = String::new();
+            if let Some(mut e) = qemu.stderr.take() {
+                use tokio::io::AsyncReadExt;
+                let _ = e.read_to_string(&mut stderr).await;
+            }
+            return Err(VmError::QemuExited { status, stderr });
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(VmError::NoSocket(path.to_path_buf()));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }

@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 
 use amber_api::node::{CreateSandbox, SandboxInfo};
 use amber_guest::Request;
-use amber_node::client::NodeClient;
+use amber_node::client::{ClientError, NodeClient};
 use amber_node::command::{request, run_argv};
 use amber_node::daemon::{self, DaemonArgs};
 use amber_node::run::{boot_and_exec, launch, VmOptions};
@@ -273,7 +273,7 @@ fn env_pairs(env: &[String]) -> Vec<String> {
 /// The node's amberd, started when none runs; refuses one that serves another registry.
 async fn node_client(registry: &RegistryClient, home: &Path) -> anyhow::Result<NodeClient> {
     let exe = std::env::current_exe()?;
-    daemon::ensure_running(home, || {
+    let start_daemon = || {
         let mut c = std::process::Command::new(&exe);
         c.arg("--registry")
             .arg(registry.base())
@@ -281,10 +281,19 @@ async fn node_client(registry: &RegistryClient, home: &Path) -> anyhow::Result<N
             .arg("--exit-when-idle")
             .env("AMBER_HOME", home);
         c
-    })
-    .await?;
+    };
     let client = NodeClient::unix(&daemon::socket_path(home));
-    let info = client.node().await?;
+    // A daemon that answered may be exiting, idle, just before this request reaches it
+    // (its linger restarts with each request, but this process may have stalled): then
+    // the request does not connect, and a new daemon is started.
+    let mut attempts = 0;
+    let info = loop {
+        daemon::ensure_running(home, &start_daemon).await?;
+        match client.node().await {
+            Err(ClientError::Unreachable { .. }) if attempts < 2 => attempts += 1,
+            answer => break answer?,
+        }
+    };
     anyhow::ensure!(
         info.registry == registry.base(),
         "this node's amberd serves registry {}, not {}; remove its sandboxes first (it exits once idle)",
