@@ -55,10 +55,13 @@ pub fn default_home() -> std::path::PathBuf {
     home.join(".cache/amber")
 }
 
-/// Logs to stderr at the level `AMBER_LOG` sets (default `warn`), for amber's binaries.
+/// Logs to stderr at the level `AMBER_LOG` sets (default `warn`), for amber's binaries;
+/// colours only on a terminal (a daemon the CLI starts logs to `amberd.log`).
 pub fn init_logging() {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("AMBER_LOG")
                 .unwrap_or_else(|_| "warn".into()),

@@ -85,17 +85,29 @@ enum UserCommand {
     },
 }
 
-fn init_logs() {
+/// Logs to standard error through a writer thread: a request's line is formatted on its
+/// worker and queued, and the thread writes what is queued in one call when the queue
+/// runs dry (one write(2) per line on the workers cost a fifth of the GETs a million-image
+/// registry answered). A full queue (128k lines) makes loggers wait: lines are never
+/// dropped. Colours only on a terminal. The guard flushes what is queued when dropped.
+fn init_logs() -> tracing_appender::non_blocking::WorkerGuard {
+    use std::io::IsTerminal;
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .lossy(false)
+        .thread_name("amber-log")
+        .finish(std::io::BufWriter::new(std::io::stderr()));
     let filter = tracing_subscriber::EnvFilter::try_from_env("AMBER_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(writer);
     if std::env::var("AMBER_LOG_FORMAT").as_deref() == Ok("json") {
         fmt.json().init();
     } else {
         fmt.init();
     }
+    guard
 }
 
 /// Keeps glibc's allocator from holding freed upload and download buffers: a fixed mmap
@@ -104,7 +116,8 @@ fn init_logs() {
 /// how many heaps the blocking I/O threads spread over.
 fn tune_allocator() {
     #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt only changes allocator parameters; called before any thread starts.
+    // SAFETY: mallopt only changes allocator parameters; called before any thread starts
+    // (the log writer's included).
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 2);
         libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
@@ -113,14 +126,21 @@ fn tune_allocator() {
 
 fn main() -> std::process::ExitCode {
     tune_allocator();
+    let logs = init_logs();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("starting the tokio runtime");
-    let code = runtime.block_on(async_main());
+    let result = runtime.block_on(run(Cli::parse()));
     // `serve` has stopped the background work (conversions end at their next read or
     // chunk write); what is left are tasks of no consequence, dropped here.
     runtime.shutdown_timeout(std::time::Duration::from_secs(5));
+    // What was logged is written before anything else is said.
+    drop(logs);
+    let code = result.unwrap_or_else(|e| {
+        eprintln!("amber-registry: {e:#}");
+        std::process::ExitCode::FAILURE
+    });
     if amber_registry::index::Index::open_count() > 0 {
         // A blocking task still holds the index or the fs store's records: `exit` would
         // run RocksDB's static destructors under it. What it wrote is in the OS already
@@ -134,17 +154,6 @@ fn main() -> std::process::ExitCode {
         unsafe { libc::_exit(1) }
     }
     code
-}
-
-async fn async_main() -> std::process::ExitCode {
-    init_logs();
-    match run(Cli::parse()).await {
-        Ok(code) => code,
-        Err(e) => {
-            eprintln!("amber-registry: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
 }
 
 async fn run(cli: Cli) -> anyhow::Result<std::process::ExitCode> {

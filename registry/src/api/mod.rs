@@ -163,7 +163,9 @@ async fn observe(req: Request, next: Next) -> Response {
     metrics::counter!(crate::metrics::REQUESTS, &labels).increment(1);
     let secs = start.elapsed().as_secs_f64();
     metrics::histogram!(crate::metrics::LATENCY, &labels[..2]).record(secs);
-    tracing::info!(%method, %path, status = resp.status().as_u16(), ms = secs * 1e3, "request");
+    // Milliseconds to the microsecond (`ms=0.222`, not `ms=0.22200999999999999`).
+    let ms = (secs * 1e6).round() / 1e3;
+    tracing::info!(%method, %path, status = resp.status().as_u16(), ms, "request");
     resp
 }
 
