@@ -141,10 +141,7 @@ impl Mux {
     async fn write(&self, kind: u8, session: u32, payload: &[u8], seal: bool) -> io::Result<()> {
         let mut w = self.0.writer.lock().await;
         if self.0.sealed.load(Ordering::SeqCst) {
-            return Err(io::Error::new(
-                io::ErrorKind::BrokenPipe,
-                "the VM is being paused",
-            ));
+            return Err(io::Error::new(io::ErrorKind::BrokenPipe, Sealed));
         }
         if seal {
             self.0.sealed.store(true, Ordering::SeqCst);
@@ -177,6 +174,18 @@ impl SessionTx {
         }
         Ok(())
     }
+}
+
+/// Why a frame was not sent on a sealed stream (`Mux::seal_with`): the VM is being
+/// paused, not gone.
+#[derive(Debug, thiserror::Error)]
+#[error("the VM is being paused")]
+pub struct Sealed;
+
+/// Whether a send failed because the stream is sealed (the VM is being paused) rather
+/// than closed.
+pub fn is_sealed(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|inner| inner.is::<Sealed>())
 }
 
 /// One session: frames sent with `tx`, frames received in order from `recv`.

@@ -271,8 +271,21 @@ async fn drive(
     end_reason: EndReason,
 ) {
     let body = serde_json::to_vec(&req).expect("Request serializes");
-    if s.tx.send(EXEC, &body).await.is_err() {
-        return p.error(ErrorKind::NotRunning, "the sandbox stopped".into());
+    if let Err(e) = s.tx.send(EXEC, &body).await {
+        // The VM's control port is sealed (it is being paused) or closed (the sandbox
+        // ended): say which, and why the sandbox ended when that is known.
+        let why = if crate::mux::is_sealed(&e) {
+            String::new()
+        } else {
+            match end_reason.await {
+                Some(r) => format!(": {r}"),
+                None => String::new(),
+            }
+        };
+        return p.error(
+            ErrorKind::NotRunning,
+            format!("the command could not be sent to the sandbox ({e}){why}"),
+        );
     }
     if let Some(input) = stdin {
         let tx = s.tx.clone();
