@@ -306,6 +306,18 @@ fn a_sandbox_keeps_its_state_across_exec_and_copies() {
         e.contains(&format!("sandbox {id} is stopped: deleted")) || e.contains("does not answer"),
         "{e}"
     );
+    // The daemon the CLI started exits on its own once idle: it removes its socket, then
+    // releases the node's lock (waited for by taking it, bounded).
+    let lock = std::fs::File::open(node.home.path().join("amberd.lock")).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(lock.lock().map(|()| lock));
+    });
+    let _held = rx
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("amberd still holds the node's lock a minute after its last sandbox")
+        .unwrap();
+    assert!(!node.home.path().join("amberd.sock").exists());
 }
 
 /// The pids of `amber daemon` processes (amberd) serving the node at `home`.
