@@ -33,9 +33,10 @@ impl ClientError {
     }
 }
 
-/// An error and its causes on one line (reqwest's own message says only that sending
-/// failed; the cause says why: no such socket, refused, reset).
-fn with_causes(e: &dyn std::error::Error) -> String {
+/// An error and its causes on one line, each cause once (an error that already quotes
+/// its source is not repeated). reqwest's own message says only that sending failed; the
+/// cause says why: no such socket, refused, reset.
+pub fn with_causes(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut cause = e.source();
     while let Some(c) = cause {

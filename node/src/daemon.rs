@@ -116,7 +116,7 @@ pub async fn serve(
         }
     };
     let mut servers = tokio::task::JoinSet::new();
-    let app = counted(&node, crate::http::router(node.clone(), None));
+    let app = counted(&node, &config, crate::http::router(node.clone(), None));
     let shutdown = until_stopped();
     servers.spawn(async move {
         let _ = axum::serve(unix, app)
@@ -131,6 +131,7 @@ pub async fn serve(
         tcp_addr = listener.local_addr().ok();
         let app = counted(
             &node,
+            &config,
             crate::http::router(node.clone(), Some(token.clone())),
         );
         let shutdown = until_stopped();
@@ -185,13 +186,17 @@ pub async fn serve(
 /// How long a stopping daemon answers the requests it already accepted.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
-/// `app` with each request counted as work of `node`, which keeps a daemon started on
-/// demand from exiting under a client (`Node::answering`).
-fn counted(node: &Arc<Node>, app: axum::Router) -> axum::Router {
+/// `app` with each request counted as work of `node` when the daemon exits once idle
+/// (`Node::work`): it must not exit under a client. A daemon that runs until stopped
+/// counts nothing.
+fn counted(node: &Arc<Node>, config: &DaemonConfig, app: axum::Router) -> axum::Router {
+    if !config.exit_when_idle {
+        return app;
+    }
     let node = node.clone();
     app.layer(axum::middleware::from_fn(
         move |req: axum::extract::Request, next: axum::middleware::Next| {
-            let work = node.answering();
+            let work = node.work();
             async move {
                 let response = next.run(req).await;
                 drop(work);

@@ -259,6 +259,14 @@ impl Process {
     }
 }
 
+/// `": <why the sandbox ended>"` for a message, or nothing when that is not known.
+async fn ended_because(end_reason: EndReason) -> String {
+    match end_reason.await {
+        Some(r) => format!(": {r}"),
+        None => String::new(),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn drive(
     p: Arc<Process>,
@@ -277,10 +285,7 @@ async fn drive(
         let why = if crate::mux::is_sealed(&e) {
             String::new()
         } else {
-            match end_reason.await {
-                Some(r) => format!(": {r}"),
-                None => String::new(),
-            }
+            ended_because(end_reason).await
         };
         return p.error(
             ErrorKind::NotRunning,
@@ -326,10 +331,7 @@ async fn drive(
             }
         };
         let Some(f) = frame else {
-            let why = match end_reason.await {
-                Some(r) => format!(": {r}"),
-                None => String::new(),
-            };
+            let why = ended_because(end_reason).await;
             return p.error(
                 ErrorKind::NotRunning,
                 format!("the sandbox stopped before the command finished{why}"),

@@ -300,27 +300,18 @@ pub struct Node {
     /// names one image for ever, and an image has one env): placement asks several
     /// nodes per create, and a pinned answer needs the registry once.
     pinned_envs: Mutex<HashMap<String, amber_oci::env::EnvDigest>>,
-    /// Prefetches running (they keep an idle daemon up as sandboxes do).
-    prefetches: Arc<AtomicUsize>,
-    /// API requests being answered (`answering`): they keep an idle daemon up too, and
-    /// the end of each restarts its linger, so a client that just found the daemon gets
-    /// its next request answered.
-    requests: Arc<AtomicUsize>,
+    /// Prefetches running and API requests being answered (`Node::work`): they keep an
+    /// idle daemon up as sandboxes do, and the end of a request restarts its linger, so a
+    /// client that just found the daemon gets its next request answered.
+    work: Arc<AtomicUsize>,
     /// Told whenever a sandbox, a prefetch or a request ends (the daemon's idle exit
     /// waits on it).
     pub changed: Arc<tokio::sync::Notify>,
 }
 
-/// One prefetch or request under way, counted while alive; tells `Node::changed` when it
-/// ends.
+/// One prefetch or request under way (`Node::work`), counted while alive; tells
+/// `Node::changed` when it ends.
 pub struct Work(Arc<AtomicUsize>, Arc<tokio::sync::Notify>);
-
-impl Work {
-    fn new(n: &Arc<AtomicUsize>, changed: &Arc<tokio::sync::Notify>) -> Work {
-        n.fetch_add(1, Ordering::SeqCst);
-        Work(n.clone(), changed.clone())
-    }
-}
 
 impl Drop for Work {
     fn drop(&mut self) {
@@ -358,23 +349,21 @@ impl Node {
             limits,
             inner: Mutex::new(Inner::default()),
             pinned_envs: Mutex::new(HashMap::new()),
-            prefetches: Arc::new(AtomicUsize::new(0)),
-            requests: Arc::new(AtomicUsize::new(0)),
+            work: Arc::new(AtomicUsize::new(0)),
             changed: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
     /// Whether anything runs: a sandbox (or a create), a prefetch, or a request.
     pub fn busy(&self) -> bool {
-        self.live_count() > 0
-            || self.prefetches.load(Ordering::SeqCst) > 0
-            || self.requests.load(Ordering::SeqCst) > 0
+        self.live_count() > 0 || self.work.load(Ordering::SeqCst) > 0
     }
 
-    /// Counts one API request while the returned guard lives (the daemon holds one per
-    /// request it answers).
-    pub fn answering(&self) -> Work {
-        Work::new(&self.requests, &self.changed)
+    /// Counts one prefetch, or one API request a daemon started on demand answers, while
+    /// the returned guard lives.
+    pub fn work(&self) -> Work {
+        self.work.fetch_add(1, Ordering::SeqCst);
+        Work(self.work.clone(), self.changed.clone())
     }
 
     /// Sandboxes creating or running, counting creates still resolving their image.
@@ -1102,7 +1091,7 @@ impl Node {
             fetched_bytes: 0,
         });
         let exports = self.exports.clone();
-        let running = Work::new(&self.prefetches, &self.changed);
+        let running = self.work();
         tokio::spawn(async move {
             let _running = running;
             let mut last = Instant::now();

@@ -11,7 +11,7 @@ use clap::{Parser, Subcommand};
 
 use amber_api::node::{CreateSandbox, SandboxInfo};
 use amber_guest::Request;
-use amber_node::client::{ClientError, NodeClient};
+use amber_node::client::{with_causes, ClientError, NodeClient};
 use amber_node::command::{request, run_argv};
 use amber_node::daemon::{self, DaemonArgs};
 use amber_node::run::{boot_and_exec, launch, VmOptions};
@@ -237,26 +237,10 @@ async fn main() -> std::process::ExitCode {
     match run(Cli::parse()).await {
         Ok(code) => std::process::ExitCode::from(code as u8),
         Err(e) => {
-            eprintln!("amber: {}", report(&e));
+            eprintln!("amber: {}", with_causes(e.as_ref()));
             std::process::ExitCode::from(125)
         }
     }
-}
-
-/// The error and its causes on one line, each cause once (an error that already quotes
-/// its source is not repeated).
-fn report(e: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in e.chain() {
-        let c = cause.to_string();
-        if !text.contains(&c) {
-            if !text.is_empty() {
-                text.push_str(": ");
-            }
-            text.push_str(&c);
-        }
-    }
-    text
 }
 
 /// `-e K=V` as given; `-e K` takes K's value from this process's environment (dropped
