@@ -38,6 +38,18 @@ fn parse_blake3(s: &str) -> Result<[u8; 32], BadBlake3> {
     Ok(out)
 }
 
+/// Lowercase hex of a 32-byte id, without allocating (ids are formatted for every key
+/// and path that names a chunk: `hex::encode` built a String a char at a time).
+fn hex32(bytes: &[u8; 32]) -> [u8; 64] {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [0u8; 64];
+    for (i, b) in bytes.iter().enumerate() {
+        out[2 * i] = DIGITS[usize::from(b >> 4)];
+        out[2 * i + 1] = DIGITS[usize::from(b & 0xf)];
+    }
+    out
+}
+
 macro_rules! blake3_id {
     ($t:ident) => {
         impl $t {
@@ -45,12 +57,14 @@ macro_rules! blake3_id {
                 $t(*blake3::hash(data).as_bytes())
             }
             pub fn hex(&self) -> String {
-                hex::encode(self.0)
+                String::from_utf8(hex32(&self.0).to_vec()).expect("hex is ASCII")
             }
         }
         impl fmt::Display for $t {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, "blake3:{}", hex::encode(self.0))
+                let hex = hex32(&self.0);
+                f.write_str("blake3:")?;
+                f.write_str(std::str::from_utf8(&hex).expect("hex is ASCII"))
             }
         }
         impl fmt::Debug for $t {
@@ -81,3 +95,20 @@ macro_rules! blake3_id {
 
 blake3_id!(ChunkId);
 blake3_id!(EnvDigest);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_print_as_blake3_hex_and_parse_back() {
+        let id = ChunkId::of(b"a chunk");
+        let shown = id.to_string();
+        assert_eq!(
+            shown,
+            format!("blake3:{}", blake3::hash(b"a chunk").to_hex())
+        );
+        assert_eq!(id.hex(), shown["blake3:".len()..]);
+        assert_eq!(shown.parse::<ChunkId>().unwrap(), id);
+    }
+}

@@ -124,9 +124,10 @@ impl<R: Read> Read for UntilStopped<R> {
     }
 }
 
-/// Stores one chunk, zstd-compressed, unless the store has it. The index answers for
-/// chunks this replica has seen; for others one existence check (a HEAD on S3) decides,
-/// so a chunk that exists costs no write and a new one two requests.
+/// Stores one chunk, zstd-compressed at the conversion's level, unless the store has it.
+/// The index answers for chunks this replica has seen; for others one existence check (a
+/// HEAD on S3) decides, so a chunk that exists costs no write and a new one two requests.
+/// A chunk written below the store's level waits in the index for `recompress`.
 /// Returns the compressed bytes written (0 for a chunk the store had).
 fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io::Result<u64> {
     if reg.stopping.is_cancelled() {
@@ -137,12 +138,19 @@ fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io:
         return Ok(0);
     }
     let (name, key) = (id.to_string(), ObjectKey::chunk(&id));
-    let compressed = compress_chunk(data, reg.config.chunk_zstd_level)?;
+    let level = reg.config.convert_zstd_level;
+    let compressed = compress_chunk(data, level)?;
     let size = compressed.len() as u64;
-    handle
-        .block_on(reg.store.put(&key, Bytes::from(compressed)))
+    reg.store
+        .put_blocking(handle, &key, Bytes::from(compressed))
         .map_err(io::Error::other)?;
-    reg.index.put_chunk(&name, size).map_err(io::Error::other)?;
+    if reg
+        .index
+        .put_chunk(&name, size, level < reg.config.chunk_zstd_level)
+        .map_err(io::Error::other)?
+    {
+        metrics::gauge!(crate::metrics::CHUNKS_TO_RECOMPRESS).increment(1);
+    }
     metrics::counter!(CHUNKS_WRITTEN).increment(1);
     metrics::counter!(CHUNK_BYTES_WRITTEN).increment(size);
     Ok(size)
@@ -155,12 +163,15 @@ fn chunk_stored(reg: &Registry, handle: &Handle, id: &ChunkId) -> io::Result<boo
     if reg.index.chunk(&name).map_err(io::Error::other)?.is_some() {
         return Ok(true);
     }
-    match handle
-        .block_on(reg.store.stat(&ObjectKey::chunk(id)))
+    match reg
+        .store
+        .stat_blocking(handle, &ObjectKey::chunk(id))
         .map_err(io::Error::other)?
     {
         Some(size) => {
-            reg.index.put_chunk(&name, size).map_err(io::Error::other)?;
+            reg.index
+                .put_chunk(&name, size, false)
+                .map_err(io::Error::other)?;
             Ok(true)
         }
         None => Ok(false),
@@ -170,7 +181,7 @@ fn chunk_stored(reg: &Registry, handle: &Handle, id: &ChunkId) -> io::Result<boo
 /// `data` as one zstd frame at `level`, with a compression context kept per thread: a
 /// fresh context per chunk spent a tenth of a conversion allocating and clearing its
 /// tables.
-fn compress_chunk(data: &[u8], level: i32) -> io::Result<Vec<u8>> {
+pub(crate) fn compress_chunk(data: &[u8], level: i32) -> io::Result<Vec<u8>> {
     thread_local! {
         static COMPRESSOR: std::cell::RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
             const { std::cell::RefCell::new(None) };
@@ -229,7 +240,7 @@ fn longest_kept_chain(
 ) -> anyhow::Result<Option<ChainState>> {
     for (i, key) in keys.iter().enumerate().rev() {
         let obj = ObjectKey::chain(key);
-        if handle.block_on(reg.store.stat(&obj))?.is_none() {
+        if reg.store.stat_blocking(handle, &obj)?.is_none() {
             continue;
         }
         let bytes = handle.block_on(reg.store.read_all(&obj))?;
@@ -255,7 +266,7 @@ fn converted_chain(
     key: &ChainKey,
 ) -> anyhow::Result<Option<(String, Bytes)>> {
     let memo = ObjectKey::chain_env(key);
-    if handle.block_on(reg.store.stat(&memo))?.is_none() {
+    if reg.store.stat_blocking(handle, &memo)?.is_none() {
         return Ok(None);
     }
     let Ok(memo) = serde_json::from_slice::<ChainEnv>(&handle.block_on(reg.store.read_all(&memo))?)
@@ -266,7 +277,7 @@ fn converted_chain(
         return Ok(None);
     };
     let envelope = ObjectKey::env(&env);
-    if handle.block_on(reg.store.stat(&envelope))?.is_none() {
+    if reg.store.stat_blocking(handle, &envelope)?.is_none() {
         return Ok(None);
     }
     Ok(Some((
@@ -427,7 +438,8 @@ fn convert_and_keep(
         },
     };
     let envelope_bytes = encode_envelope(&serde_json::to_vec(&envelope)?)?;
-    handle.block_on(reg.store.put(&ObjectKey::env(&env), envelope_bytes.clone()))?;
+    reg.store
+        .put_blocking(handle, &ObjectKey::env(&env), envelope_bytes.clone())?;
     // Kept for later images, now that every chunk they name is stored.
     for state in &out.chains {
         let key = &keys[state.layers as usize - 1];
@@ -436,13 +448,15 @@ fn convert_and_keep(
         if whole && encoded.len() as u64 * WHOLE_CHAIN_STATE_SHARE > new_bytes {
             continue;
         }
-        handle.block_on(reg.store.put(&ObjectKey::chain(key), Bytes::from(encoded)))?;
+        reg.store
+            .put_blocking(handle, &ObjectKey::chain(key), Bytes::from(encoded))?;
     }
     if let Some(key) = keys.last() {
         let memo = serde_json::to_vec(&ChainEnv {
             env: env.to_string(),
         })?;
-        handle.block_on(reg.store.put(&ObjectKey::chain_env(key), Bytes::from(memo)))?;
+        reg.store
+            .put_blocking(handle, &ObjectKey::chain_env(key), Bytes::from(memo))?;
     }
     // The uncompressed layers this conversion read are now mostly chunks.
     let mut recipes = read
@@ -471,7 +485,7 @@ fn keep_as_recipe(
     let started = std::time::Instant::now();
     let made = (|| -> anyhow::Result<Option<u64>> {
         let blob = ObjectKey::blob(d);
-        if handle.block_on(reg.store.stat(&blob))?.is_none() {
+        if reg.store.stat_blocking(handle, &blob)?.is_none() {
             return Ok(None); // a recipe already, or another replica's doing
         }
         let reader = object_reader(reg, handle, blob.clone(), layer.size)?;
@@ -481,7 +495,8 @@ fn keep_as_recipe(
         };
         handle.block_on(crate::recipe::verify(reg.store.clone(), &planned))?;
         let stored = planned.object.len() as u64;
-        handle.block_on(reg.store.put(&ObjectKey::recipe(d), planned.object))?;
+        reg.store
+            .put_blocking(handle, &ObjectKey::recipe(d), planned.object)?;
         handle.block_on(reg.store.remove(&blob))?;
         Ok(Some(stored))
     })();
@@ -537,16 +552,17 @@ fn convert_layers(
             continue;
         }
         let marker = ObjectKey::chain_seen(key);
-        let seen = handle.block_on(reg.store.stat(&marker))?.is_some()
-            || handle
-                .block_on(reg.store.stat(&ObjectKey::chain_env(key)))?
+        let seen = reg.store.stat_blocking(handle, &marker)?.is_some()
+            || reg
+                .store
+                .stat_blocking(handle, &ObjectKey::chain_env(key))?
                 .is_some();
         if seen {
             if keep.len() < MAX_KEPT_CHAINS {
                 keep.push(k as u32 + 1);
             }
         } else {
-            handle.block_on(reg.store.put(&marker, Bytes::new()))?;
+            reg.store.put_blocking(handle, &marker, Bytes::new())?;
         }
     }
     let scratch_dir = reg.config.data.join("tmp");
@@ -608,7 +624,7 @@ fn publish_referrer(
     let put_blob = |data: Bytes| -> anyhow::Result<(Digest, u64)> {
         let d = Digest::of(Algorithm::Sha256, &data);
         let n = data.len() as u64;
-        handle.block_on(reg.store.put(&ObjectKey::blob(&d), data))?;
+        reg.store.put_blocking(handle, &ObjectKey::blob(&d), data)?;
         handle.block_on(reg.link_blob(repo, &d, n))?;
         Ok((d, n))
     };
@@ -628,7 +644,8 @@ fn publish_referrer(
     });
     let bytes = Bytes::from(serde_json::to_vec(&artifact)?);
     let digest = Digest::of(Algorithm::Sha256, &bytes);
-    handle.block_on(reg.store.put(&ObjectKey::blob(&digest), bytes.clone()))?;
+    reg.store
+        .put_blocking(handle, &ObjectKey::blob(&digest), bytes.clone())?;
     let descriptor = json!({
         "mediaType": amber_oci::media::OCI_MANIFEST,
         "digest": digest.to_string(),

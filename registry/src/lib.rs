@@ -38,6 +38,7 @@ pub mod manifest_cache;
 pub mod metrics;
 pub mod mirrors;
 pub mod recipe;
+pub mod recompress;
 pub mod records;
 pub mod registry;
 pub mod reindex;

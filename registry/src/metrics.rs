@@ -15,6 +15,9 @@ pub const UPLOAD_SESSIONS_EXPIRED: &str = "amber_upload_sessions_expired_total";
 pub const S3_REQUESTS: &str = "amber_s3_requests_total";
 /// Object reads answered with a redirect to a presigned URL.
 pub const REDIRECTS: &str = "amber_presigned_redirects_total";
+/// Chunks a conversion wrote at its fast level that wait for `recompress` (the index's
+/// count at start, then kept as chunks are noted and recompressed).
+pub const CHUNKS_TO_RECOMPRESS: &str = "amber_chunks_to_recompress";
 
 /// How often the histograms' recorded samples are drained into their buckets.
 const UPKEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(5);

@@ -66,6 +66,9 @@ pub struct Registry {
     /// Notified when this process's line of conversions ran low after it refused images
     /// (`Taken::Full`): the sweeper then takes more from the shared queue at once.
     pub conversion_refill: tokio::sync::Notify,
+    /// Notified when this process's last running conversion ends with none lined up
+    /// (`recompress` waits for it).
+    pub conversions_settled: tokio::sync::Notify,
     /// Cancelled when the server stops: background loops end, conversions stop at their
     /// next read or chunk write (their work items stay for a restart or another replica).
     pub stopping: tokio_util::sync::CancellationToken,
@@ -120,6 +123,7 @@ impl Registry {
             replica_id: uuid::Uuid::new_v4().to_string(),
             converting: Mutex::new(LocalConversions::default()),
             conversion_refill: tokio::sync::Notify::new(),
+            conversions_settled: tokio::sync::Notify::new(),
             stopping: tokio_util::sync::CancellationToken::new(),
             background: tokio_util::task::TaskTracker::new(),
         }
@@ -203,7 +207,16 @@ impl Registry {
             c.refused = false;
             self.conversion_refill.notify_one();
         }
+        if c.running.is_empty() {
+            self.conversions_settled.notify_one();
+        }
         next
+    }
+
+    /// Whether this process runs a conversion or has one lined up.
+    pub fn converting_any(&self) -> bool {
+        let c = self.converting.lock().unwrap_or_else(|p| p.into_inner());
+        !c.running.is_empty() || !c.waiting.is_empty()
     }
 
     /// Whether this process is converting `image` or has it lined up.

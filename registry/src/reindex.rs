@@ -266,7 +266,7 @@ async fn fill(reg: &Registry) -> anyhow::Result<Summary> {
         |_| true,
         |(key, size)| async move {
             let id = key.rsplit('/').next().unwrap_or("");
-            reg.index.put_chunk(&format!("blake3:{id}"), size)?;
+            reg.index.put_chunk(&format!("blake3:{id}"), size, false)?;
             Ok(true)
         },
         0,

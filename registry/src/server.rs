@@ -28,6 +28,7 @@ pub async fn serve(reg: Arc<Registry>, listener: TcpListener) -> anyhow::Result<
         }
     }
     crate::convert_queue::start(&reg).context("starting the conversion queue")?;
+    crate::recompress::start(&reg).context("starting chunk recompression")?;
     crate::envs::start(&reg);
     reg.spawn_background(|expiry| async move {
         let every = Duration::from_secs((expiry.config.upload_ttl_secs / 4).clamp(1, 600));

@@ -166,6 +166,77 @@ async fn pushed_images_convert_to_the_same_device_whatever_the_compression_on(st
     );
 }
 
+/// Source-like text: zstd at a high level stores it in clearly fewer bytes than level 1.
+fn source_text(functions: usize) -> Vec<u8> {
+    (0..functions)
+        .map(|i| {
+            format!(
+                "def handler_{i}(request, user):\n    if user.id % {} == 0:\n        return render(request, 'page_{}.html', {{'id': {i}}})\n    return None\n",
+                i % 13 + 2,
+                i % 97
+            )
+        })
+        .collect::<String>()
+        .into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_chunks_are_recompressed_at_the_stored_level_once_conversions_settle() {
+    new_chunks_are_recompressed_on(Storage::Fs).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_chunks_are_recompressed_at_the_stored_level_once_conversions_settle_on_s3() {
+    new_chunks_are_recompressed_on(Storage::S3).await;
+}
+
+/// A conversion writes its new chunks at `convert_zstd_level`; once no conversion runs
+/// they are replaced by their encoding at `chunk_zstd_level`: fewer bytes, the same
+/// device, the same env digest as a conversion in another process.
+async fn new_chunks_are_recompressed_on(storage: Storage) {
+    let s = Server::start_on(
+        storage,
+        &["--convert-zstd-level", "1", "--chunk-zstd-level", "12"],
+    );
+    let tars = vec![files_tar(&[
+        ("app/views.py", &source_text(12_000)[..]),
+        ("app/main.py", b"print(2)\n"),
+    ])];
+    push_image(&s, "recompress/app", "v1", &gzipped(&tars)).await;
+    let v = settled(&s, "recompress/app", "v1").await;
+    assert_eq!(v["state"], "done", "{v}");
+    let (local_env, local_dev) = local_conversion(&tars);
+    assert_eq!(v["env_digest"], local_env);
+    let mut text = String::new();
+    for _ in 0..6_000 {
+        text = metrics_text(&s).await;
+        if metric(&text, "amber_chunks_recompressed_total") > 0
+            && metric(&text, "amber_chunks_to_recompress") == 0
+        {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let (written, recompressed) = (
+        metric(&text, "amber_chunks_written_total"),
+        metric(&text, "amber_chunks_recompressed_total"),
+    );
+    assert!(
+        recompressed > 0 && recompressed <= written,
+        "chunks written {written}, recompressed {recompressed}"
+    );
+    assert_eq!(metric(&text, "amber_chunks_to_recompress"), 0, "{text}");
+    let saved = metric(&text, "amber_chunk_bytes_saved_by_recompression_total");
+    let stored = metric(&text, "amber_chunk_bytes_written_total");
+    assert!(
+        saved > 0 && saved < stored,
+        "saved {saved} of the {stored} bytes written"
+    );
+    // Every chunk (the replaced ones too) still decompresses to the bytes its id names.
+    let (_, dev) = device_from_api(&s, &local_env).await;
+    assert!(dev == local_dev, "device bytes differ after recompression");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_uncompressed_layer_is_kept_as_a_recipe_and_served_byte_for_byte() {
     an_uncompressed_layer_is_kept_as_a_recipe_on(Storage::Fs).await;

@@ -184,7 +184,9 @@ async fn chunk(
             range,
             head,
             content_type: "application/zstd",
-            etag: id.to_string(),
+            // The encoding, not only the content: recompression replaces a chunk's bytes
+            // by a strictly smaller frame, so id and size name the bytes served.
+            etag: format!("{id}.{size}"),
             extra: Vec::new(),
         },
     )

@@ -27,6 +27,8 @@
 //!   copy of the store's object, written unsynced at push and on a read that missed it:
 //!   a GET reads it with the manifest's record, with no file to open; a lost write is
 //!   read from the store again)
+//! - `recompress` chunk id                  -> empty: a chunk a conversion wrote at its
+//!   fast level, waiting to be recompressed at the store's (`recompress`)
 //!
 //! A family this build does not know (one a later build added) is opened and left alone,
 //! so an index written by a later build still opens here.
@@ -49,7 +51,7 @@ use bytes::Bytes;
 
 use crate::bytes_cache::BytesCache;
 
-const CFS: [&str; 15] = [
+const CFS: [&str; 16] = [
     "repos",
     "tags",
     "manifests",
@@ -65,6 +67,7 @@ const CFS: [&str; 15] = [
     "envs",
     "chunk_refs",
     "manifest_bytes",
+    "recompress",
 ];
 /// The families whose values are counters (merge operands add).
 const COUNTER_CFS: [&str; 2] = ["stats", "chunk_refs"];
@@ -791,17 +794,83 @@ impl Index {
             .map(u64::from_le_bytes))
     }
 
-    pub fn put_chunk(&self, id: &str, stored: u64) -> Result<(), IndexError> {
-        // Not synced on its own: a lost entry only means the chunk is stat-ed again.
+    /// Notes a stored chunk of `stored` bytes; `recompress`: it was written at a
+    /// conversion's fast level, and waits for `recompressed`. Returns whether it now
+    /// waits (not when the index knew the chunk already).
+    pub fn put_chunk(&self, id: &str, stored: u64, recompress: bool) -> Result<bool, IndexError> {
+        // Not synced on its own: a lost entry only means the chunk is stat-ed again (and,
+        // for one waiting to be recompressed, that it stays at the fast level).
         let _stripe = self.stripe(id.as_bytes());
         let mut b = WriteBatch::default();
-        if self.db.get_pinned_cf(self.cf("chunks"), id)?.is_none() {
+        let new = self.db.get_pinned_cf(self.cf("chunks"), id)?.is_none();
+        if new {
             self.count(&mut b, totals::counter::CHUNKS, 1);
             self.count(&mut b, totals::counter::CHUNK_BYTES, stored);
+            if recompress {
+                b.put_cf(self.cf("recompress"), id, []);
+                self.count(&mut b, totals::counter::TO_RECOMPRESS, 1);
+            }
         }
         b.put_cf(self.cf("chunks"), id, stored.to_le_bytes());
         self.db.write(b)?;
-        Ok(())
+        Ok(new && recompress)
+    }
+
+    /// Up to `n` chunks waiting to be recompressed, in id order, after `after` (a
+    /// caller going through them passes its last: the notes it ended are tombstones
+    /// until a compaction, and a scan from the start would step over every one).
+    pub fn chunks_to_recompress(
+        &self,
+        after: Option<&str>,
+        n: usize,
+    ) -> Result<Vec<String>, IndexError> {
+        let mode = match after {
+            Some(a) => IteratorMode::From(a.as_bytes(), Direction::Forward),
+            None => IteratorMode::Start,
+        };
+        let mut out = Vec::new();
+        for item in self.db.iterator_cf(self.cf("recompress"), mode) {
+            let (k, _) = item?;
+            if after.is_some_and(|a| a.as_bytes() == &k[..]) {
+                continue;
+            }
+            out.push(String::from_utf8_lossy(&k).into_owned());
+            if out.len() == n {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Ends the wait of chunk `id` for recompression: it is now `stored` bytes (its
+    /// size as the index knew it when not). The totals follow: the store's chunk bytes,
+    /// and the envs' chunk bytes once per env naming it. Returns whether it was waiting.
+    pub fn recompressed(&self, id: &str, stored: u64) -> Result<bool, IndexError> {
+        let _stripe = self.stripe(id.as_bytes());
+        let mut b = WriteBatch::default();
+        if self.db.get_pinned_cf(self.cf("recompress"), id)?.is_none() {
+            return Ok(false);
+        }
+        b.delete_cf(self.cf("recompress"), id);
+        self.count(&mut b, totals::counter::TO_RECOMPRESS, u64::MAX); // -1, wrapping
+        if let Some(old) = self.chunk(id)? {
+            // Counters add wrapping: the difference as a u64 subtracts when negative.
+            let delta = stored.wrapping_sub(old);
+            let refs = self
+                .db
+                .get_pinned_cf(self.cf("chunk_refs"), id)?
+                .and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
+                .map_or(0, u64::from_le_bytes);
+            self.count(&mut b, totals::counter::CHUNK_BYTES, delta);
+            self.count(
+                &mut b,
+                totals::counter::ENV_CHUNK_BYTES,
+                delta.wrapping_mul(refs),
+            );
+        }
+        b.put_cf(self.cf("chunks"), id, stored.to_le_bytes());
+        self.db.write(b)?;
+        Ok(true)
     }
 }
 

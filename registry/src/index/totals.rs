@@ -28,6 +28,8 @@ pub(super) mod counter {
     pub const ENVS: &[u8] = b"envs";
     pub const ENV_BYTES: &[u8] = b"env_bytes";
     pub const ENV_CHUNK_BYTES: &[u8] = b"env_chunk_bytes";
+    /// Chunks written at a conversion's fast level, not yet recompressed.
+    pub const TO_RECOMPRESS: &[u8] = b"chunks_to_recompress";
     /// Present once the index's totals cover everything it holds.
     pub const COUNTED: &[u8] = b"counted";
 }
@@ -71,6 +73,9 @@ pub struct Totals {
     pub envs: u64,
     pub env_bytes: u64,
     pub env_chunk_bytes: u64,
+    /// Chunks a conversion wrote at its fast level that wait to be recompressed at the
+    /// store's level (`recompress`); their bytes are in `chunk_bytes` as they are now.
+    pub chunks_to_recompress: u64,
 }
 
 impl Totals {
@@ -128,8 +133,9 @@ impl Index {
             ENVS,
             ENV_BYTES,
             ENV_CHUNK_BYTES,
+            TO_RECOMPRESS,
         ];
-        let mut v = [0u64; 8];
+        let mut v = [0u64; 9];
         for (slot, got) in v
             .iter_mut()
             .zip(self.db.multi_get_cf(keys.iter().map(|k| (cf, *k))))
@@ -145,6 +151,7 @@ impl Index {
             envs: v[5],
             env_bytes: v[6],
             env_chunk_bytes: v[7],
+            chunks_to_recompress: v[8],
         })
     }
 
@@ -305,6 +312,44 @@ mod tests {
         format!("blake3:{}", hex::encode([i; 32]))
     }
 
+    /// A chunk written at a conversion's fast level waits once; recompressed to fewer
+    /// bytes, the store's bytes and (once per env naming it) the envs' bytes follow.
+    #[test]
+    fn a_recompressed_chunk_moves_the_totals_by_its_difference() {
+        let dir = tempfile::tempdir().unwrap();
+        let ix = Index::open(dir.path()).unwrap();
+        let info = EnvInfo {
+            device_size: 4096,
+            filesystem: "erofs".into(),
+            extents: 1,
+            chunks: 1,
+            chunk_bytes: 10,
+        };
+        assert!(ix.put_chunk(&chunk(3), 10, true).unwrap());
+        assert!(!ix.put_chunk(&chunk(3), 10, true).unwrap());
+        ix.put_env("blake3:e3", &info, &[chunk(3)]).unwrap();
+        ix.put_env("blake3:e4", &info, &[chunk(3)]).unwrap();
+        assert_eq!(ix.chunks_to_recompress(None, 10).unwrap(), [chunk(3)]);
+        assert!(ix
+            .chunks_to_recompress(Some(&chunk(3)), 10)
+            .unwrap()
+            .is_empty());
+        let t = ix.totals().unwrap();
+        assert_eq!(
+            (t.chunks_to_recompress, t.chunk_bytes, t.env_chunk_bytes),
+            (1, 10, 20)
+        );
+        assert!(ix.recompressed(&chunk(3), 4).unwrap());
+        assert!(!ix.recompressed(&chunk(3), 4).unwrap());
+        let t = ix.totals().unwrap();
+        assert_eq!(
+            (t.chunks_to_recompress, t.chunk_bytes, t.env_chunk_bytes),
+            (0, 4, 8)
+        );
+        assert_eq!(ix.chunk(&chunk(3)).unwrap(), Some(4));
+        assert!(ix.chunks_to_recompress(None, 10).unwrap().is_empty());
+    }
+
     #[test]
     fn each_blob_chunk_image_and_env_counts_once_and_an_older_index_is_counted_at_open() {
         let dir = tempfile::tempdir().unwrap();
@@ -333,7 +378,7 @@ mod tests {
             .unwrap();
         }
         for (id, n) in [(chunk(1), 7), (chunk(2), 5), (chunk(1), 7)] {
-            ix.put_chunk(&id, n).unwrap();
+            ix.put_chunk(&id, n, false).unwrap();
         }
         let done = crate::index::Conversion {
             repo: "a".into(),
@@ -371,11 +416,12 @@ mod tests {
             envs: 2,
             env_bytes: 8192,
             env_chunk_bytes: 19,
+            chunks_to_recompress: 0,
         };
         assert_eq!(ix.totals().unwrap(), want);
         assert_eq!(want.stored_bytes(), 122);
         assert_eq!(want.dedup_ratio(), Some(19.0 / 12.0));
-        assert_eq!(ix.env("blake3:e1").unwrap(), Some(info));
+        assert_eq!(ix.env("blake3:e1").unwrap(), Some(info.clone()));
         // chunk 1 is named by both envs, chunk 2 by one.
         assert_eq!(
             ix.sharing(&[chunk(1), chunk(2)]).unwrap(),

@@ -323,21 +323,57 @@ impl FsStore {
 
     /// Links complete file `src` to `dst` (no replace), then makes the link durable.
     async fn link_durably(&self, src: &Path, dst: &Path) -> Result<(), StoreError> {
-        let dir = dst.parent().expect("object keys have a parent");
-        tokio::fs::create_dir_all(dir)
-            .await
-            .map_err(|e| StoreError::io(dir.display().to_string(), e))?;
-        match tokio::fs::hard_link(src, dst).await {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(StoreError::io(dst.display().to_string(), e)),
-        }
-        let dir = dir.to_path_buf();
-        tokio::task::spawn_blocking(move || std::fs::File::open(&dir)?.sync_all())
+        let (src, dst) = (src.to_path_buf(), dst.to_path_buf());
+        tokio::task::spawn_blocking(move || link_file(&src, &dst))
             .await
             .map_err(not_finished)?
-            .map_err(|e| StoreError::io("fsync of object directory", e))
     }
+}
+
+/// Publishes `data` as the object at `dst` under store `root`, unless it exists: written
+/// to a file of its own under `_tmp`, fsynced, then linked (`link_file`). Blocking.
+fn put_file(root: &Path, dst: &Path, data: &[u8], name: &str) -> Result<(), StoreError> {
+    if dst.try_exists().unwrap_or(false) {
+        return Ok(());
+    }
+    let tmp = write_tmp(root, data, name)?;
+    let res = link_file(&tmp, dst);
+    let _ = std::fs::remove_file(&tmp);
+    res
+}
+
+/// `data` in a new fsynced file under `root`/_tmp; its path. Blocking.
+fn write_tmp(root: &Path, data: &[u8], name: &str) -> Result<PathBuf, StoreError> {
+    let tmp = root.join("_tmp").join(uuid::Uuid::new_v4().to_string());
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(data)?;
+        f.sync_all()
+    })();
+    written.map(|()| tmp.clone()).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        StoreError::io(format!("temporary object for {name}"), e)
+    })
+}
+
+/// Links complete file `src` to `dst` (no replace: an existing `dst` has the same
+/// bytes), then fsyncs `dst`'s directory so the link survives a crash. Blocking.
+fn link_file(src: &Path, dst: &Path) -> Result<(), StoreError> {
+    let dir = dst.parent().expect("object keys have a parent");
+    std::fs::create_dir_all(dir).map_err(|e| StoreError::io(dir.display().to_string(), e))?;
+    match std::fs::hard_link(src, dst) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(StoreError::io(dst.display().to_string(), e)),
+    }
+    sync_dir(dir)
+}
+
+/// fsync of directory `dir` (makes the names linked or renamed in it durable).
+fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| StoreError::io("fsync of object directory", e))
 }
 
 /// Files up to this size are read on the calling thread (see [`read_whole`]).
@@ -420,27 +456,50 @@ impl ObjectStore for FsStore {
     }
 
     async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError> {
-        let dst = self.path(key);
-        if tokio::fs::try_exists(&dst).await.unwrap_or(false) {
-            return Ok(());
-        }
-        let tmp = self
-            .root
-            .join("_tmp")
-            .join(uuid::Uuid::new_v4().to_string());
-        let tmp2 = tmp.clone();
-        tokio::task::spawn_blocking(move || -> io::Result<()> {
-            use std::io::Write;
-            let mut f = std::fs::File::create(&tmp2)?;
-            f.write_all(&data)?;
-            f.sync_all()
+        let (root, dst, name) = (self.root.clone(), self.path(key), key.as_str().to_string());
+        tokio::task::spawn_blocking(move || put_file(&root, &dst, &data, &name))
+            .await
+            .map_err(not_finished)?
+    }
+
+    async fn put_replacing(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError> {
+        let (root, dst, name) = (self.root.clone(), self.path(key), key.as_str().to_string());
+        tokio::task::spawn_blocking(move || {
+            let tmp = write_tmp(&root, &data, &name)?;
+            let dir = dst.parent().expect("object keys have a parent");
+            // rename(2) replaces atomically: an open (or mapped) old file keeps its bytes.
+            let res = std::fs::create_dir_all(dir)
+                .and_then(|()| std::fs::rename(&tmp, &dst))
+                .map_err(|e| StoreError::io(dst.display().to_string(), e))
+                .and_then(|()| sync_dir(dir));
+            if res.is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            res
         })
         .await
         .map_err(not_finished)?
-        .map_err(|e| StoreError::io(format!("temporary object for {}", key.as_str()), e))?;
-        let res = self.link_durably(&tmp, &dst).await;
-        let _ = tokio::fs::remove_file(&tmp).await;
-        res
+    }
+
+    fn stat_blocking(
+        &self,
+        _: &tokio::runtime::Handle,
+        key: &ObjectKey,
+    ) -> Result<Option<u64>, StoreError> {
+        match std::fs::metadata(self.path(key)) {
+            Ok(m) => Ok(Some(m.len())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(StoreError::io(key.as_str(), e)),
+        }
+    }
+
+    fn put_blocking(
+        &self,
+        _: &tokio::runtime::Handle,
+        key: &ObjectKey,
+        data: Bytes,
+    ) -> Result<(), StoreError> {
+        put_file(&self.root, &self.path(key), &data, key.as_str())
     }
 
     async fn append_staged(
@@ -812,6 +871,31 @@ mod tests {
         // One process owns an fs store: a second open is refused, with its path.
         let e = super::FsStore::open(dir.path()).err().unwrap().to_string();
         assert!(e.contains("_records.db"), "{e}");
+    }
+
+    /// The blocking put and stat (a conversion's) are the async ones, on the caller's
+    /// thread: create-once, durable names, nothing left in `_tmp`.
+    #[test]
+    fn blocking_puts_and_stats_are_the_async_ones() {
+        use super::super::{ObjectKey, ObjectStore};
+        use bytes::Bytes;
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::FsStore::open(dir.path()).unwrap();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let key = ObjectKey::chunk(&amber_oci::env::ChunkId::of(b"blocking"));
+        assert_eq!(store.stat_blocking(rt.handle(), &key).unwrap(), None);
+        store
+            .put_blocking(rt.handle(), &key, Bytes::from_static(b"bytes"))
+            .unwrap();
+        store
+            .put_blocking(rt.handle(), &key, Bytes::from_static(b"other"))
+            .unwrap();
+        assert_eq!(store.stat_blocking(rt.handle(), &key).unwrap(), Some(5));
+        assert_eq!(&rt.block_on(store.read_all(&key)).unwrap()[..], b"bytes");
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("_tmp")).unwrap().count(),
+            0
+        );
     }
 
     #[tokio::test]

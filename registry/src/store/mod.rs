@@ -439,6 +439,34 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// store is left unchanged: keys are content addresses, so the bytes are the same.
     async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError>;
 
+    /// Publishes `data` under `key` durably and atomically, replacing the bytes there if
+    /// any: for another encoding of the same content (a chunk recompressed). A reader
+    /// sees the old bytes or the new, whole, never a mix.
+    async fn put_replacing(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError>;
+
+    /// `stat` for a caller on a thread that may block (a conversion): a backend whose
+    /// work is blocking system calls (fs) does it on the calling thread instead of
+    /// handing it to the runtime's blocking pool and waiting.
+    fn stat_blocking(
+        &self,
+        handle: &tokio::runtime::Handle,
+        key: &ObjectKey,
+    ) -> Result<Option<u64>, StoreError> {
+        handle.block_on(self.stat(key))
+    }
+
+    /// `put` for a caller on a thread that may block, as `stat_blocking`. A conversion
+    /// stores tens of thousands of chunks: through the pool, each fs put was six hand-offs
+    /// between threads (a third of the conversion's context switches).
+    fn put_blocking(
+        &self,
+        handle: &tokio::runtime::Handle,
+        key: &ObjectKey,
+        data: Bytes,
+    ) -> Result<(), StoreError> {
+        handle.block_on(self.put(key, data))
+    }
+
     /// Appends `body` to staged object `id` after its first `offset` bytes, the ones the
     /// caller acknowledged (created when `offset` is 0), as a new segment; what a request
     /// that never finished staged past `offset` is never read again. Fewer than `offset`

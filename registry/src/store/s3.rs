@@ -921,6 +921,14 @@ impl ObjectStore for S3Store {
         Ok(())
     }
 
+    async fn put_replacing(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError> {
+        // An unconditional PUT: S3 replaces an object atomically.
+        let k = self.key(key);
+        let body: ByteStream = Box::pin(futures_util::stream::once(async move { Ok(data) }));
+        self.write_streamed(&k, body, &mut |_| {}, false).await?;
+        Ok(())
+    }
+
     async fn append_staged(
         &self,
         id: &str,

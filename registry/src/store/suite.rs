@@ -22,6 +22,7 @@ async fn collect(s: ByteStream) -> Vec<u8> {
 
 pub async fn run(store: &dyn ObjectStore) {
     put_is_create_once(store).await;
+    put_replacing_replaces_whole(store).await;
     remove_is_of_one_object_and_idempotent(store).await;
     ranges(store).await;
     ranges_of_a_large_object(store).await;
@@ -177,6 +178,35 @@ async fn put_is_create_once(store: &dyn ObjectStore) {
         .unwrap();
     let sized = store.list_sizes("chunks/").await.unwrap();
     assert!(sized.contains(&(chunk, 11)), "{sized:?}");
+}
+
+/// A replacing put (a chunk recompressed): the new bytes whole, for stat, read, listing
+/// and a ranged read; creates the object when it is missing.
+async fn put_replacing_replaces_whole(store: &dyn ObjectStore) {
+    let chunk = ObjectKey::chunk(&amber_oci::env::ChunkId::of(b"recompressed"));
+    store
+        .put_replacing(&chunk, Bytes::from_static(b"first encoding, longer"))
+        .await
+        .unwrap();
+    assert_eq!(store.stat(&chunk).await.unwrap(), Some(22));
+    store
+        .put_replacing(&chunk, Bytes::from_static(b"second"))
+        .await
+        .unwrap();
+    assert_eq!(store.stat(&chunk).await.unwrap(), Some(6));
+    assert_eq!(&store.read_all(&chunk).await.unwrap()[..], b"second");
+    assert_eq!(
+        collect(store.read(&chunk, 1..4).await.unwrap()).await,
+        b"eco"
+    );
+    let sized = store.list_sizes("chunks/").await.unwrap();
+    assert!(sized.contains(&(chunk.clone(), 6)), "{sized:?}");
+    // A plain put of an existing key still leaves it as it is.
+    store
+        .put(&chunk, Bytes::from_static(b"other"))
+        .await
+        .unwrap();
+    assert_eq!(&store.read_all(&chunk).await.unwrap()[..], b"second");
 }
 
 /// Removal (a layer blob replaced by its recipe): the object is gone for stat, read and
