@@ -65,6 +65,7 @@ fn a_big_image_boots_lazily_and_a_corrupt_chunk_is_an_integrity_error() {
     let first = &envelope["manifest"]["extents"][0];
     assert_eq!(first["offset"], 0);
     let chunk = first["chunk"].as_str().unwrap().to_string();
+    reg.wait_recompressed();
     let file = reg.chunk_file(&chunk);
     let good = std::fs::read(&file).unwrap();
     let len = first["length"].as_u64().unwrap() as usize;

@@ -12,7 +12,7 @@ use amber_snapshotter::cache::ChunkCache;
 use amber_snapshotter::device::LazyDevice;
 use amber_snapshotter::source::{RegistryClient, RegistrySource};
 use amber_testkit::layer::Layer;
-use amber_testkit::registry::{push_image, settled};
+use amber_testkit::registry::{push_image, recompressed, settled};
 use amber_testkit::Registry;
 use std::time::Duration;
 
@@ -223,7 +223,9 @@ async fn a_chunk_corrupted_in_the_registry_store_is_an_io_error_for_the_client()
         Duration::from_secs(60),
     ));
     let m = src.manifest(&env).await.unwrap().manifest;
-    // Corrupt the stored chunk holding the start of the big file (the largest extent).
+    // Corrupt the stored chunk holding the start of the big file (the largest extent),
+    // once recompression will not replace it.
+    recompressed(&reg).await;
     let victim = m.extents.iter().max_by_key(|e| e.length).unwrap().clone();
     let path = reg.chunk_file(&victim.chunk.to_string());
     let other: Vec<u8> = vec![0x42; victim.length as usize];

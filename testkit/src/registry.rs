@@ -247,7 +247,22 @@ impl Registry {
         hex::encode(h.finalize())
     }
 
-    /// The store file of a chunk (the fs backend's layout, docs/architecture.md).
+    /// Waits until the registry has recompressed every chunk its conversions wrote at
+    /// their fast level (`amber_chunks_to_recompress` reads 0): a test that changes a
+    /// chunk's file must wait, or recompression may replace the file after it. Gives up
+    /// after 10 minutes. Not from an async test: see [`recompressed`].
+    pub fn wait_recompressed(&self) {
+        for _ in 0..60_000 {
+            if self.metric_sum("amber_chunks_to_recompress", "") == 0.0 {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        panic!("the registry never finished recompressing its chunks");
+    }
+
+    /// The store file of a chunk (the fs backend's layout, docs/architecture.md); see
+    /// [`Registry::wait_recompressed`] before changing it.
     pub fn chunk_file(&self, chunk: &str) -> PathBuf {
         let hex = chunk.strip_prefix("blake3:").unwrap();
         self.data
@@ -404,6 +419,17 @@ pub async fn metrics_text(s: &Registry) -> String {
         .text()
         .await
         .unwrap()
+}
+
+/// [`Registry::wait_recompressed`] for an async test.
+pub async fn recompressed(s: &Registry) {
+    for _ in 0..60_000 {
+        if metric(&metrics_text(s).await, "amber_chunks_to_recompress") == 0 {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("the registry never finished recompressing its chunks");
 }
 
 /// Polls the resolve endpoint until the conversion settles (done or failed); gives up

@@ -169,13 +169,26 @@ async fn chunk(
     head: bool,
 ) -> ApiResult<Response> {
     let key = ObjectKey::chunk(&id);
-    let size = reg.store.stat(&key).await?.ok_or_else(|| {
+    let unknown = || {
         ApiError::new(
             StatusCode::NOT_FOUND,
             "CHUNK_UNKNOWN",
             format!("chunk {id} is not in this registry"),
         )
-    })?;
+    };
+    // Recompression (`crate::recompress`) may replace a chunk's object between a stat and
+    // a read: a GET served here reads the chunk whole (one encoding, at most about 1 MiB)
+    // and answers from those bytes. A HEAD, or a redirect to the bucket (S3 replaces an
+    // object atomically), needs only the size.
+    let (size, bytes) = if head || reg.config.s3.redirect.unwrap_or(false) {
+        (reg.store.stat(&key).await?.ok_or_else(unknown)?, None)
+    } else {
+        match reg.store.read_all(&key).await {
+            Ok(b) => (b.len() as u64, Some(b)),
+            Err(crate::store::StoreError::NotFound(_)) => return Err(unknown()),
+            Err(e) => return Err(e.into()),
+        }
+    };
     super::blobs::serve_object(
         reg,
         super::blobs::ObjectResponse {
@@ -188,6 +201,7 @@ async fn chunk(
             // by a strictly smaller frame, so id and size name the bytes served.
             etag: format!("{id}.{size}"),
             extra: Vec::new(),
+            bytes,
         },
     )
     .await
