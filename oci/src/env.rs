@@ -41,12 +41,8 @@ fn parse_blake3(s: &str) -> Result<[u8; 32], BadBlake3> {
 /// Lowercase hex of a 32-byte id, without allocating (ids are formatted for every key
 /// and path that names a chunk: `hex::encode` built a String a char at a time).
 fn hex32(bytes: &[u8; 32]) -> [u8; 64] {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = [0u8; 64];
-    for (i, b) in bytes.iter().enumerate() {
-        out[2 * i] = DIGITS[usize::from(b >> 4)];
-        out[2 * i + 1] = DIGITS[usize::from(b & 0xf)];
-    }
+    hex::encode_to_slice(bytes, &mut out).expect("64 bytes hold 32 in hex");
     out
 }
 

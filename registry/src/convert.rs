@@ -208,12 +208,18 @@ impl ChunkSource for StoreChunks {
             .handle
             .block_on(self.reg.store.read_all(&ObjectKey::chunk(id)))
             .map_err(|e| io::Error::other(format!("reading chunk {id}: {e}")))?;
-        let mut out = Vec::new();
-        zstd::stream::read::Decoder::new(&stored[..])?
-            .take(amber_converter::chunk::MAX_CHUNK + 1)
-            .read_to_end(&mut out)?;
-        Ok(out)
+        decompress_chunk(&stored)
     }
+}
+
+/// The bytes of a stored chunk (one zstd frame), at most one byte past `MAX_CHUNK` (the
+/// caller checks them against the chunk's id).
+pub(crate) fn decompress_chunk(stored: &[u8]) -> io::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    zstd::stream::read::Decoder::new(stored)?
+        .take(amber_converter::chunk::MAX_CHUNK + 1)
+        .read_to_end(&mut out)?;
+    Ok(out)
 }
 
 /// The most layer-chain states one conversion keeps (each is a copy of the tree while

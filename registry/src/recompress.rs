@@ -23,7 +23,6 @@
 //! The notes are this replica's: a chunk noted by a replica that is gone (or lost with
 //! an index rebuilt by `reindex`) stays at the fast level, readable, a little larger.
 
-use std::io::Read;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -70,13 +69,13 @@ struct Job {
 /// Starts the loop (and its compression thread). Without notes it only looks at the
 /// index when a conversion ends, or every `IDLE_CHECK`.
 pub fn start(reg: &Arc<Registry>) -> std::io::Result<()> {
-    let (jobs, queue) = std::sync::mpsc::sync_channel::<Job>(1);
+    let (jobs, mut queue) = tokio::sync::mpsc::channel::<Job>(1);
     // Ends when the loop drops `jobs` (the server stopped).
     std::thread::Builder::new()
         .name("amber-recompress".into())
         .spawn(move || {
             lowest_priority();
-            for job in queue {
+            while let Some(job) = queue.blocking_recv() {
                 let _ = job.done.send(recompress(&job.id, &job.stored, job.level));
             }
         })?;
@@ -137,7 +136,7 @@ pub fn start(reg: &Arc<Registry>) -> std::io::Result<()> {
 /// its note.
 async fn one(
     reg: &Arc<Registry>,
-    jobs: &std::sync::mpsc::SyncSender<Job>,
+    jobs: &tokio::sync::mpsc::Sender<Job>,
     id: &str,
 ) -> Result<(), RecompressError> {
     let Ok(chunk) = id.parse::<ChunkId>() else {
@@ -162,12 +161,8 @@ async fn one(
         level: reg.config.chunk_zstd_level,
         done,
     };
-    // The thread takes one job at a time: a full queue means it is busy, so wait for it
-    // off the async workers.
-    let jobs = jobs.clone();
-    tokio::task::spawn_blocking(move || jobs.send(job))
+    jobs.send(job)
         .await
-        .map_err(|_| RecompressError::ThreadGone)?
         .map_err(|_| RecompressError::ThreadGone)?;
     let size = match answer.await.map_err(|_| RecompressError::ThreadGone)?? {
         Some(smaller) => {
@@ -188,18 +183,13 @@ async fn one(
 /// The chunk's bytes (checked against `id`) compressed at `level`, when smaller than
 /// `stored`.
 fn recompress(id: &ChunkId, stored: &[u8], level: i32) -> Result<Option<Vec<u8>>, RecompressError> {
-    let mut plain = Vec::new();
-    zstd::stream::read::Decoder::new(stored)
-        .and_then(|d| {
-            d.take(amber_converter::chunk::MAX_CHUNK + 1)
-                .read_to_end(&mut plain)
-        })
+    let plain = crate::convert::decompress_chunk(stored)
         .map_err(|e| RecompressError::Damaged(e.to_string()))?;
-    if ChunkId::of(&plain) != *id {
+    let got = ChunkId::of(&plain);
+    if got != *id {
         return Err(RecompressError::Damaged(format!(
-            "its {} bytes hash to {}",
-            plain.len(),
-            ChunkId::of(&plain)
+            "its {} bytes hash to {got}",
+            plain.len()
         )));
     }
     let smaller =

@@ -841,37 +841,6 @@ impl Index {
         }
         Ok(out)
     }
-
-    /// Ends the wait of chunk `id` for recompression: it is now `stored` bytes (its
-    /// size as the index knew it when not). The totals follow: the store's chunk bytes,
-    /// and the envs' chunk bytes once per env naming it. Returns whether it was waiting.
-    pub fn recompressed(&self, id: &str, stored: u64) -> Result<bool, IndexError> {
-        let _stripe = self.stripe(id.as_bytes());
-        let mut b = WriteBatch::default();
-        if self.db.get_pinned_cf(self.cf("recompress"), id)?.is_none() {
-            return Ok(false);
-        }
-        b.delete_cf(self.cf("recompress"), id);
-        self.count(&mut b, totals::counter::TO_RECOMPRESS, u64::MAX); // -1, wrapping
-        if let Some(old) = self.chunk(id)? {
-            // Counters add wrapping: the difference as a u64 subtracts when negative.
-            let delta = stored.wrapping_sub(old);
-            let refs = self
-                .db
-                .get_pinned_cf(self.cf("chunk_refs"), id)?
-                .and_then(|v| <[u8; 8]>::try_from(&v[..]).ok())
-                .map_or(0, u64::from_le_bytes);
-            self.count(&mut b, totals::counter::CHUNK_BYTES, delta);
-            self.count(
-                &mut b,
-                totals::counter::ENV_CHUNK_BYTES,
-                delta.wrapping_mul(refs),
-            );
-        }
-        b.put_cf(self.cf("chunks"), id, stored.to_le_bytes());
-        self.db.write(b)?;
-        Ok(true)
-    }
 }
 
 #[cfg(test)]
