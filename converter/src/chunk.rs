@@ -333,16 +333,11 @@ impl<'a> Chunker<'a> {
                     ))
                 }
                 FileData::Read(data) => {
-                    let mut buf = vec![0u8; MAX_CHUNK as usize];
                     let mut out = Vec::with_capacity(count);
-                    for i in 0..count {
-                        let n = piece_len(i) as usize;
-                        let done = i as u64 * MAX_CHUNK;
-                        let real = (len - done).min(n as u64) as usize;
-                        data.read_exact(&mut buf[..real])?;
-                        buf[real..n].fill(0);
-                        out.push(self.emit(offset + done, &buf[..n])?);
-                    }
+                    read_pieces(data, len, block, &mut Vec::new(), |i, piece| {
+                        out.push(self.emit(offset + i as u64 * MAX_CHUNK, piece)?);
+                        Ok(())
+                    })?;
                     out
                 }
             };
@@ -390,16 +385,69 @@ impl<'a> Chunker<'a> {
     }
 }
 
+/// Reads a large file's `len` bytes from `data`, zero-padded to a multiple of `block`,
+/// and hands each `MAX_CHUNK` piece to `piece(index, bytes)` (`buf` is the reusable
+/// buffer the pieces are read into).
+fn read_pieces(
+    data: &mut dyn io::Read,
+    len: u64,
+    block: u64,
+    buf: &mut Vec<u8>,
+    mut piece: impl FnMut(usize, &[u8]) -> io::Result<()>,
+) -> io::Result<()> {
+    let padded = len.div_ceil(block) * block;
+    buf.resize(MAX_CHUNK as usize, 0);
+    for i in 0..padded.div_ceil(MAX_CHUNK) as usize {
+        let done = i as u64 * MAX_CHUNK;
+        let n = (padded - done).min(MAX_CHUNK) as usize;
+        let real = (len - done).min(n as u64) as usize;
+        data.read_exact(&mut buf[..real])?;
+        buf[real..n].fill(0);
+        piece(i, &buf[..n])?;
+    }
+    Ok(())
+}
+
+/// Stores a large file (at least `LARGE_FILE` bytes) straight into `sink`, before the
+/// device is laid out: its pieces depend only on its own bytes, so they are the chunks
+/// `Chunker::file` would cut wherever the file lands, and it takes the returned
+/// location as `FileData::Stored` without reading the bytes again.
+pub fn store_large_file(
+    sink: &mut dyn ChunkSink,
+    data: &mut dyn io::Read,
+    len: u64,
+    block: u64,
+    buf: &mut Vec<u8>,
+) -> io::Result<DataLocation> {
+    debug_assert!(len >= LARGE_FILE);
+    let mut pieces = Vec::with_capacity(len.div_ceil(MAX_CHUNK) as usize);
+    read_pieces(data, len, block, buf, |_, piece| {
+        pieces.push(if is_zero(piece) {
+            None
+        } else {
+            let id = ChunkId::of(piece);
+            sink.put(id, piece)?;
+            Some(id)
+        });
+        Ok(())
+    })?;
+    Ok(DataLocation::Large { pieces })
+}
+
 /// Hands chunks to `threads` worker threads that store them with `put` (hashing is done
 /// by the chunker; compressing and writing happen here, in parallel with the chunker).
 /// At most `2 * threads` chunks wait in the queue. `finish` reports the first error.
+/// With `with_known`, a chunk the store already has is not handed over at all.
 pub struct ParallelSink {
     tx: Option<std::sync::mpsc::SyncSender<(ChunkId, Vec<u8>)>>,
     workers: Vec<std::thread::JoinHandle<()>>,
     error: std::sync::Arc<std::sync::Mutex<Option<io::Error>>>,
+    known: Option<Box<KnownFn>>,
 }
 
 pub type PutFn = dyn Fn(ChunkId, &[u8]) -> io::Result<()> + Send + Sync;
+/// Whether the store has a chunk already (a cheap check, made on the chunker's thread).
+pub type KnownFn = dyn Fn(&ChunkId) -> io::Result<bool> + Send;
 
 impl ParallelSink {
     pub fn new(threads: usize, put: std::sync::Arc<PutFn>) -> ParallelSink {
@@ -426,7 +474,16 @@ impl ParallelSink {
             tx: Some(tx),
             workers,
             error,
+            known: None,
         }
+    }
+
+    /// Skips chunks `known` says the store has, on the caller's thread: most chunks of
+    /// an image on a shared base exist, and each hand-over to a worker costs a copy of
+    /// the chunk and two thread switches.
+    pub fn with_known(mut self, known: Box<KnownFn>) -> ParallelSink {
+        self.known = Some(known);
+        self
     }
 
     fn take_error(&self) -> Option<io::Error> {
@@ -448,6 +505,11 @@ impl ChunkSink for ParallelSink {
     fn put(&mut self, id: ChunkId, data: &[u8]) -> io::Result<()> {
         if let Some(e) = self.take_error() {
             return Err(e);
+        }
+        if let Some(known) = &self.known {
+            if known(&id)? {
+                return Ok(());
+            }
         }
         self.tx
             .as_ref()

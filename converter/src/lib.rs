@@ -136,6 +136,11 @@ pub struct Reuse<'s> {
     /// Reads back the bytes of files from `start` when a pack mixes them with new files
     /// (required with `start`).
     pub source: Option<&'s mut dyn ChunkSource>,
+    /// When `keep` names the whole image's chain: asked once every chunk of the device
+    /// is handed to the sink, with the image's inode count, whether to compute that
+    /// state after all (a caller that keeps it only when it is small beside what the
+    /// conversion stored says no before paying for it). Without it, it is computed.
+    pub keep_whole: Option<Box<dyn FnOnce(u64) -> bool + 's>>,
 }
 
 /// `convert_with_limits` from a reused chain state, keeping the states `reuse.keep`
@@ -153,8 +158,10 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
         start,
         keep,
         mut source,
+        keep_whole,
     } = reuse;
-    let (mut t, stored, mut diff_ids, mut layer_bytes, first) = match start {
+    let layers: Vec<LayerInput<'a>> = layers.into_iter().collect();
+    let (mut t, mut stored, mut diff_ids, mut layer_bytes, first) = match start {
         Some(s) => (
             tree::Tree {
                 inodes: s.inodes,
@@ -171,13 +178,23 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
             (t, Vec::new(), Vec::new(), 0, 0)
         }
     };
-    // (chain length, tree, diff ids, layer bytes) at each layer boundary to keep.
+    // (chain length, tree, diff ids, layer bytes) at each layer boundary to keep below
+    // the whole image's (whose tree is `t` itself, taken once the device is chunked).
     let mut kept = Vec::new();
+    let whole = first + layers.len() as u32;
+    let whole_wanted = whole > first && keep.contains(&whole);
     let mut scratch_len = scratch
         .seek(SeekFrom::End(0))
         .map_err(io_err("scratch file"))?;
     {
         let mut w = BufWriter::with_capacity(1 << 20, &mut *scratch);
+        // Large files go straight to the sink, except with a raw sink, which needs
+        // every byte at its device offset when the device is laid out.
+        let mut streamed = raw.is_none().then(|| StreamedFiles {
+            sink: &mut *sink,
+            table: &mut stored,
+            buf: Vec::new(),
+        });
         for (i, l) in layers.into_iter().enumerate() {
             let index = first + i as u32;
             progress(&format!("layer {}: {}", index + 1, l.name));
@@ -186,14 +203,21 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
                     layer: l.name.clone(),
                     source,
                 })?;
-            t.apply_layer(index, &l.name, &mut r, &mut w, &mut scratch_len)?;
+            t.apply_layer(
+                index,
+                &l.name,
+                &mut r,
+                &mut w,
+                &mut scratch_len,
+                streamed.as_mut().map(|s| s as &mut dyn tree::LargeFiles),
+            )?;
             let (diff_id, n) = r.finish().map_err(|source| ConvertError::Layer {
                 layer: l.name.clone(),
                 source,
             })?;
             diff_ids.push(diff_id);
             layer_bytes += n;
-            if keep.contains(&(index + 1)) {
+            if index + 1 < whole && keep.contains(&(index + 1)) {
                 kept.push((index + 1, t.inodes.clone(), diff_ids.clone(), layer_bytes));
             }
         }
@@ -203,7 +227,7 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
     let uuid_src = blake3::hash(format!("amber erofs uuid v1\n{}", diff_ids.join("\n")).as_bytes());
     let uuid: [u8; 16] = uuid_src.as_bytes()[..16].try_into().expect("16 bytes");
     let image = erofs::build(&t, uuid)?;
-    drop(t);
+    let mut whole_tree = whole_wanted.then_some(t);
     progress("chunking");
     let mut chunker = Chunker::new(&mut *sink, raw.map(|r| r as &mut dyn RawSink));
     if let Some(src) = source.as_deref_mut() {
@@ -249,6 +273,11 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
             .map_err(io_err("storing metadata chunks"))?;
     }
     let chunked = chunker.finish().map_err(io_err("storing file chunks"))?;
+    if let Some(t) = whole_tree.take() {
+        if keep_whole.is_none_or(|wanted| wanted(image.inodes)) {
+            kept.push((whole, t.inodes, diff_ids.clone(), layer_bytes));
+        }
+    }
     let manifest = BlockManifest {
         version: FORMAT_VERSION,
         device_size: image.device_size,
@@ -301,6 +330,25 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
         chains,
         packed,
     })
+}
+
+/// Large files stored as chunks while their layer streams (`tree::LargeFiles`), named
+/// by entries appended to the conversion's table of stored files.
+struct StreamedFiles<'a> {
+    sink: &'a mut dyn ChunkSink,
+    table: &'a mut Vec<DataLocation>,
+    buf: Vec<u8>,
+}
+
+impl tree::LargeFiles for StreamedFiles<'_> {
+    fn take(&mut self, len: u64, data: &mut dyn Read) -> io::Result<u32> {
+        let n = u32::try_from(self.table.len())
+            .map_err(|_| io::Error::other("more than 2^32 stored files"))?;
+        let location =
+            chunk::store_large_file(self.sink, data, len, erofs::BLOCK_SIZE, &mut self.buf)?;
+        self.table.push(location);
+        Ok(n)
+    }
 }
 
 fn stored_location(stored: &[DataLocation], i: u32) -> Result<&DataLocation, ConvertError> {

@@ -1,7 +1,8 @@
 //! The merged file system tree of an image: OCI layers applied in order as tar streams,
 //! with whiteouts, opaque directories and hard links, kept in memory as metadata only.
 //! Regular file contents are spilled to a caller-provided scratch file as they stream by,
-//! so memory grows with the number of entries, never with the data size.
+//! or, for large files when the caller takes them (`LargeFiles`), stored as chunks right
+//! away, so memory grows with the number of entries, never with the data size.
 //!
 //! Hostile input rules (each is either normalised as docker does or refused with an error
 //! naming the layer and the entry):
@@ -27,13 +28,24 @@ pub const ROOT: InodeId = 0;
 pub const MAX_NAME: usize = 255;
 pub const MAX_PATH: usize = 4096;
 
+/// Takes the bytes of large files (at least `chunk::LARGE_FILE`) as a layer streams by,
+/// so they skip the scratch file: their chunks depend only on their own bytes
+/// (`chunk` module), so they can be cut before the device is laid out.
+pub trait LargeFiles {
+    /// Reads exactly `len` bytes of one file from `data` and stores them; returns the
+    /// `DataSource::Stored` entry that names where they went. An error from `data`
+    /// is returned as it came.
+    fn take(&mut self, len: u64, data: &mut dyn Read) -> io::Result<u32>;
+}
+
 /// Where a regular file's bytes are while a conversion runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DataSource {
     /// At this offset of the conversion's scratch file (a layer read in this run).
     Scratch { offset: u64 },
-    /// Already in the chunk store: entry `n` of a reused `chain::ChainState`'s table
-    /// (a layer whose work an earlier conversion did).
+    /// Already in the chunk store: entry `n` of the conversion's table of stored files
+    /// (a reused `chain::ChainState`'s, for a layer whose work an earlier conversion
+    /// did, then the large files `LargeFiles` took).
     Stored(u32),
 }
 
@@ -102,6 +114,13 @@ pub enum TreeError {
     },
     #[error("writing the scratch file: {0}")]
     Scratch(#[source] io::Error),
+    #[error("layer {layer}: storing the chunks of {entry:?}: {source}")]
+    Store {
+        layer: String,
+        entry: String,
+        #[source]
+        source: io::Error,
+    },
     #[error("layer {layer}: {limit}")]
     Limit { layer: String, limit: String },
 }
@@ -213,7 +232,8 @@ impl Tree {
     }
 
     /// Applies one layer's uncompressed tar stream. File data goes to `scratch`, whose
-    /// current length is `*scratch_len` and grows as data is appended.
+    /// current length is `*scratch_len` and grows as data is appended; large files'
+    /// data goes to `large` instead when one is given (sparse ones always to `scratch`).
     pub fn apply_layer<R: Read>(
         &mut self,
         index: u32,
@@ -221,7 +241,13 @@ impl Tree {
         tar_stream: R,
         scratch: &mut dyn Write,
         scratch_len: &mut u64,
+        large: Option<&mut dyn LargeFiles>,
     ) -> Result<(), TreeError> {
+        let mut spill_to = Spill {
+            scratch,
+            scratch_len,
+            large,
+        };
         let mut st = LayerState {
             index,
             name: name.to_string(),
@@ -262,7 +288,7 @@ impl Tree {
                     limit: "the conversion ran out of time (max_convert_secs)".into(),
                 });
             }
-            self.apply_entry(&mut st, &mut entry, &last, scratch, scratch_len, &mut buf)?;
+            self.apply_entry(&mut st, &mut entry, &last, &mut spill_to, &mut buf)?;
         }
         self.finish_layer(&st);
         Ok(())
@@ -273,8 +299,7 @@ impl Tree {
         st: &mut LayerState,
         e: &mut tar::Entry<'_, R>,
         shown: &str,
-        scratch: &mut dyn Write,
-        scratch_len: &mut u64,
+        spill_to: &mut Spill<'_, '_>,
         buf: &mut [u8],
     ) -> Result<(), TreeError> {
         let err = |reason: String| TreeError::Entry {
@@ -334,7 +359,7 @@ impl Tree {
         let parent = self.make_parents(parent_path, st.index).map_err(err)?;
         let kind = match etype {
             tar::EntryType::Regular | tar::EntryType::Continuous | tar::EntryType::GNUSparse => {
-                let data = spill(e, scratch, scratch_len, buf).map_err(|ex| match ex {
+                let data = spill(e, spill_to, buf).map_err(|ex| match ex {
                     SpillError::Read(source) => TreeError::Layer {
                         layer: st.name.clone(),
                         after: shown.to_string(),
@@ -344,6 +369,11 @@ impl Tree {
                         "declares {declared} bytes of data but the layer ends after {got}"
                     )),
                     SpillError::Write(source) => TreeError::Scratch(source),
+                    SpillError::Store(source) => TreeError::Store {
+                        layer: st.name.clone(),
+                        entry: shown.to_string(),
+                        source,
+                    },
                 })?;
                 Kind::File { data }
             }
@@ -622,19 +652,77 @@ pub struct Walk {
 enum SpillError {
     Read(io::Error),
     Write(io::Error),
+    Store(io::Error),
     Short { declared: u64, got: u64 },
 }
 
-/// Streams an entry's data to the scratch file, hashing it.
+/// Where `apply_layer` puts regular files' bytes.
+struct Spill<'a, 'l> {
+    scratch: &'a mut dyn Write,
+    scratch_len: &'a mut u64,
+    large: Option<&'a mut (dyn LargeFiles + 'l)>,
+}
+
+/// A reader that counts what it gave and remembers whether it failed or ended, so an
+/// error out of `LargeFiles::take` can be told apart: the layer's, a short layer, or the
+/// store's.
+struct Counted<'r> {
+    inner: &'r mut dyn Read,
+    got: u64,
+    failed: bool,
+    ended: bool,
+}
+
+impl Read for Counted<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self.inner.read(buf) {
+            Ok(n) => {
+                self.got += n as u64;
+                self.ended |= n == 0 && !buf.is_empty();
+                Ok(n)
+            }
+            Err(e) => {
+                self.failed |= e.kind() != io::ErrorKind::Interrupted;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Streams an entry's data to the scratch file, hashing it, or hands a large one to
+/// `LargeFiles`.
 fn spill<R: Read>(
     e: &mut tar::Entry<'_, R>,
-    scratch: &mut dyn Write,
-    scratch_len: &mut u64,
+    to: &mut Spill<'_, '_>,
     buf: &mut [u8],
 ) -> Result<DataRef, SpillError> {
     let declared = e.size();
+    let sparse = e.header().entry_type() == tar::EntryType::GNUSparse;
+    if let Some(large) = to.large.as_mut() {
+        if declared >= crate::chunk::LARGE_FILE && !sparse {
+            let mut r = Counted {
+                inner: e,
+                got: 0,
+                failed: false,
+                ended: false,
+            };
+            return match large.take(declared, &mut r) {
+                Ok(n) => Ok(DataRef {
+                    source: DataSource::Stored(n),
+                    len: declared,
+                    hash: [0; 32],
+                }),
+                Err(x) if r.failed => Err(SpillError::Read(x)),
+                Err(_) if r.ended && r.got < declared => Err(SpillError::Short {
+                    declared,
+                    got: r.got,
+                }),
+                Err(x) => Err(SpillError::Store(x)),
+            };
+        }
+    }
     let mut hasher = (declared < crate::chunk::LARGE_FILE).then(blake3::Hasher::new);
-    let offset = *scratch_len;
+    let offset = *to.scratch_len;
     let mut got = 0u64;
     loop {
         let n = match e.read(buf) {
@@ -646,14 +734,13 @@ fn spill<R: Read>(
         if let Some(h) = hasher.as_mut() {
             h.update(&buf[..n]);
         }
-        scratch.write_all(&buf[..n]).map_err(SpillError::Write)?;
+        to.scratch.write_all(&buf[..n]).map_err(SpillError::Write)?;
         got += n as u64;
     }
-    let sparse = e.header().entry_type() == tar::EntryType::GNUSparse;
     if !sparse && got != declared {
         return Err(SpillError::Short { declared, got });
     }
-    *scratch_len += got;
+    *to.scratch_len += got;
     Ok(DataRef {
         source: DataSource::Scratch { offset },
         len: got,

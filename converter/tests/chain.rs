@@ -131,6 +131,7 @@ fn convert_from(
             start,
             keep,
             source: Some(&mut source),
+            keep_whole: None,
         },
     )
     .unwrap()
@@ -304,6 +305,7 @@ fn a_state_that_names_a_missing_chunk_fails_the_conversion_with_its_id() {
             start: Some(state),
             keep: vec![],
             source: Some(&mut source),
+            keep_whole: None,
         },
     )
     .unwrap_err();

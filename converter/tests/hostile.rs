@@ -25,6 +25,7 @@ fn apply(layers: &[Vec<u8>]) -> Result<(Tree, Vec<u8>), TreeError> {
             &l[..],
             &mut scratch,
             &mut len,
+            None,
         )?;
     }
     Ok((t, scratch))
@@ -196,8 +197,37 @@ fn a_tar_declaring_a_huge_size_is_a_truncated_layer() {
     // One header claiming 1 TiB, followed by only 4 KiB of data.
     let mut t = raw_header("huge", b'0', 1 << 40);
     t.extend_from_slice(&[7u8; 4096]);
-    let e = err_text(&[t]);
+    let e = err_text(&[t.clone()]);
     assert!(e.contains("layer0") && e.contains("huge"), "{e}");
+    // The same through a conversion that stores large files as their layer streams.
+    let e = run_streamed(&[t]).unwrap_err().to_string();
+    assert!(
+        e.contains("layer0") && e.contains("huge") && e.contains("layer ends after 4096"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_chunk_store_failing_on_a_large_file_names_the_file() {
+    struct Full;
+    impl amber_converter::chunk::ChunkSink for Full {
+        fn put(&mut self, _: amber_converter::manifest::ChunkId, _: &[u8]) -> std::io::Result<()> {
+            Err(std::io::Error::other("disk full"))
+        }
+    }
+    let layer = Layer::new().file("big.bin", 0o644, &[9u8; 300_000]).tar();
+    let mut scratch = tempfile::tempfile().unwrap();
+    let inputs = [amber_converter::LayerInput {
+        name: "layer0".into(),
+        reader: Box::new(&layer[..]),
+    }];
+    let e = amber_converter::convert(inputs, &mut scratch, &mut Full, None, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("layer0") && e.contains("big.bin") && e.contains("disk full"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -11,8 +11,9 @@
 //! - the block manifest envelope is stored under its env digest and published as an OCI
 //!   referrer of the image manifest (artifactType `application/vnd.amber.block-manifest.v1+json`).
 
+use std::collections::HashMap;
 use std::io::{self, Read};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use amber_converter::chain::{chain_keys, ChainKey, ChainState};
 use amber_converter::chunk::{ChunkSource, ParallelSink};
@@ -124,58 +125,169 @@ impl<R: Read> Read for UntilStopped<R> {
     }
 }
 
+/// A chunk a conversion wrote or found in the store, recorded in the index only once
+/// the store's batch is synced (`ObjectStore::put_batched`): the index never names a
+/// chunk that a crash could still cut short.
+struct ChunkNote {
+    id: ChunkId,
+    /// Its stored (compressed) size.
+    size: u64,
+    /// Written below the store's level: waits for `recompress`.
+    recompress: bool,
+    /// Written by this conversion (in `Registry::unsynced_chunks` until recorded).
+    written: bool,
+}
+
 /// Stores one chunk, zstd-compressed at the conversion's level, unless the store has it.
-/// The index answers for chunks this replica has seen; for others one existence check (a
-/// HEAD on S3) decides, so a chunk that exists costs no write and a new one two requests.
-/// A chunk written below the store's level waits in the index for `recompress`.
-/// Returns the compressed bytes written (0 for a chunk the store had).
-fn store_chunk(reg: &Registry, handle: &Handle, id: ChunkId, data: &[u8]) -> io::Result<u64> {
+/// The index answers for chunks this replica has recorded; for others one existence
+/// check (a HEAD on S3) decides, so a chunk that exists costs no write and a new one two
+/// requests. What it wrote or found goes to `notes`, for the index once the batch is
+/// synced. Returns the compressed bytes written (0 for a chunk the store had).
+fn store_chunk(
+    reg: &Registry,
+    handle: &Handle,
+    id: ChunkId,
+    data: &[u8],
+    notes: &Mutex<Vec<ChunkNote>>,
+) -> io::Result<u64> {
     if reg.stopping.is_cancelled() {
         return Err(stopping_error());
     }
-    if chunk_stored(reg, handle, &id)? {
+    let note = |n: ChunkNote| notes.lock().unwrap_or_else(|p| p.into_inner()).push(n);
+    if reg
+        .index
+        .chunk(&id.to_string())
+        .map_err(io::Error::other)?
+        .is_some()
+    {
         metrics::counter!(CHUNKS_EXISTING).increment(1);
         return Ok(0);
     }
-    let (name, key) = (id.to_string(), ObjectKey::chunk(&id));
+    let key = ObjectKey::chunk(&id);
+    let damaged = match found_chunk(reg, handle, &id)? {
+        Found::Whole { size, recompress } => {
+            metrics::counter!(CHUNKS_EXISTING).increment(1);
+            note(ChunkNote {
+                id,
+                size,
+                recompress,
+                written: false,
+            });
+            return Ok(0);
+        }
+        Found::Missing => false,
+        Found::Damaged => true,
+    };
     let level = reg.config.convert_zstd_level;
-    let compressed = compress_chunk(data, level)?;
+    let recompress = level < reg.config.chunk_zstd_level;
+    let compressed = Bytes::from(compress_chunk(data, level)?);
     let size = compressed.len() as u64;
-    reg.store
-        .put_blocking(handle, &key, Bytes::from(compressed))
-        .map_err(io::Error::other)?;
-    if reg
-        .index
-        .put_chunk(&name, size, level < reg.config.chunk_zstd_level)
-        .map_err(io::Error::other)?
-    {
-        metrics::gauge!(crate::metrics::CHUNKS_TO_RECOMPRESS).increment(1);
+    if damaged {
+        handle
+            .block_on(reg.store.put_replacing(&key, compressed))
+            .map_err(io::Error::other)?;
+    } else {
+        // Listed before it is linked: a conversion that finds the object trusts it.
+        unsynced(reg).insert(id, recompress);
+        reg.store
+            .put_batched(handle, &key, compressed)
+            .map_err(io::Error::other)?;
     }
+    note(ChunkNote {
+        id,
+        size,
+        recompress,
+        written: !damaged,
+    });
     metrics::counter!(CHUNKS_WRITTEN).increment(1);
     metrics::counter!(CHUNK_BYTES_WRITTEN).increment(size);
     Ok(size)
 }
 
-/// Whether the store has chunk `id`: the index answers for chunks this replica has seen
-/// (one it finds in the store is added to the index).
-fn chunk_stored(reg: &Registry, handle: &Handle, id: &ChunkId) -> io::Result<bool> {
-    let name = id.to_string();
-    if reg.index.chunk(&name).map_err(io::Error::other)?.is_some() {
-        return Ok(true);
-    }
-    match reg
+fn unsynced(reg: &Registry) -> std::sync::MutexGuard<'_, HashMap<ChunkId, bool>> {
+    reg.unsynced_chunks
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+/// What the store holds under a chunk's key that the index does not record.
+enum Found {
+    Missing,
+    /// Whole: `recompress` when this process wrote it below the store's level.
+    Whole {
+        size: u64,
+        recompress: bool,
+    },
+    /// Bytes that are not the chunk: a batched write a crash cut short.
+    Damaged,
+}
+
+/// Looks for chunk `id`, which the index does not record, in the store. An object this
+/// process wrote in a batch not yet synced is whole; on a store where a crash can cut a
+/// batched write short, any other object is read and checked against its id. Such an
+/// object is rare: one left by a crash (or whose index entry a crash lost), or one that
+/// another conversion recorded between the caller's look at the index and this one.
+fn found_chunk(reg: &Registry, handle: &Handle, id: &ChunkId) -> io::Result<Found> {
+    let key = ObjectKey::chunk(id);
+    let Some(size) = reg
         .store
-        .stat_blocking(handle, &ObjectKey::chunk(id))
+        .stat_blocking(handle, &key)
         .map_err(io::Error::other)?
-    {
-        Some(size) => {
-            reg.index
-                .put_chunk(&name, size, false)
-                .map_err(io::Error::other)?;
-            Ok(true)
-        }
-        None => Ok(false),
+    else {
+        return Ok(Found::Missing);
+    };
+    if let Some(&recompress) = unsynced(reg).get(id) {
+        return Ok(Found::Whole { size, recompress });
     }
+    if !reg.store.batched_may_be_short() {
+        return Ok(Found::Whole {
+            size,
+            recompress: false,
+        });
+    }
+    let stored = handle
+        .block_on(reg.store.read_all(&key))
+        .map_err(io::Error::other)?;
+    if decompress_chunk(&stored).is_ok_and(|bytes| ChunkId::of(&bytes) == *id) {
+        return Ok(Found::Whole {
+            size: stored.len() as u64,
+            recompress: false,
+        });
+    }
+    tracing::warn!(chunk = %id, "the stored chunk does not match its id (a write a crash cut short?); writing it again");
+    Ok(Found::Damaged)
+}
+
+/// Records what a conversion's chunk writes left in `notes` once they are durable: one
+/// sync of the store's batch, then the index (sizes, totals, recompression notes). The
+/// chunks it wrote leave `Registry::unsynced_chunks` either way (after a failure, a
+/// later conversion that finds one reads it to check it).
+fn record_chunks(
+    reg: &Registry,
+    handle: &Handle,
+    notes: Vec<ChunkNote>,
+    converted: bool,
+) -> anyhow::Result<()> {
+    let recorded = (|| -> anyhow::Result<()> {
+        if !converted {
+            return Ok(());
+        }
+        reg.store.sync_batch(handle)?;
+        for n in &notes {
+            if reg
+                .index
+                .put_chunk(&n.id.to_string(), n.size, n.recompress)?
+            {
+                metrics::gauge!(crate::metrics::CHUNKS_TO_RECOMPRESS).increment(1);
+            }
+        }
+        Ok(())
+    })();
+    let mut unsynced = unsynced(reg);
+    for n in notes.iter().filter(|n| n.written) {
+        unsynced.remove(&n.id);
+    }
+    recorded
 }
 
 /// `data` as one zstd frame at `level`, with a compression context kept per thread: a
@@ -230,6 +342,12 @@ const MAX_KEPT_CHAINS: usize = 16;
 /// from) keeps it, so its first snapshot converts only its own layer, while a task
 /// image of a few new MiB over a shared base keeps none.
 const WHOLE_CHAIN_STATE_SHARE: u64 = 50;
+/// Fewer bytes than an encoded layer-chain state takes per inode (each small file's
+/// entry holds its 32-byte blake3; measured states take about 34 bytes a file): how the
+/// whole image's state is judged too large for `WHOLE_CHAIN_STATE_SHARE` before it is
+/// computed (computing and encoding it took about 5% of the corpus's conversion CPU,
+/// for states almost never kept).
+const MIN_STATE_BYTES_PER_INODE: u64 = 16;
 
 /// What `.env` memo objects hold: the env of exactly one chain of layers.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -495,7 +613,11 @@ fn keep_as_recipe(
             return Ok(None); // a recipe already, or another replica's doing
         }
         let reader = object_reader(reg, handle, blob.clone(), layer.size)?;
-        let mut has_chunk = |id: &ChunkId| chunk_stored(reg, handle, id);
+        let mut has_chunk = |id: &ChunkId| -> io::Result<bool> {
+            let name = id.to_string();
+            Ok(reg.index.chunk(&name).map_err(io::Error::other)?.is_some()
+                || matches!(found_chunk(reg, handle, id)?, Found::Whole { .. }))
+        };
         let Some(planned) = crate::recipe::plan(d, reader, packed, &mut has_chunk)? else {
             return Ok(None);
         };
@@ -531,6 +653,11 @@ fn convert_layers(
 ) -> anyhow::Result<(amber_converter::Converted, u64)> {
     let first = start.as_ref().map_or(0, |s| s.layers as usize);
     metrics::counter!(CONVERT_LAYERS_READ).increment((layers.len() - first) as u64);
+    tracing::debug!(
+        layers = ?layers[first..].iter().map(|l| l.digest.to_string()).collect::<Vec<_>>(),
+        reused = first,
+        "reading layers"
+    );
     let mut inputs = Vec::new();
     for l in &layers[first..] {
         inputs.push(LayerInput {
@@ -579,15 +706,31 @@ fn convert_layers(
         .unwrap_or(1);
     let (sink_reg, sink_handle) = (reg.clone(), handle.clone());
     let written = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let sink_written = written.clone();
+    let (sink_written, written_so_far) = (written.clone(), written.clone());
+    let notes = Arc::new(Mutex::new(Vec::new()));
+    let sink_notes = notes.clone();
+    let known_reg = reg.clone();
     let mut sink = ParallelSink::new(
         threads,
         Arc::new(move |id, data: &[u8]| {
-            let n = store_chunk(&sink_reg, &sink_handle, id, data)?;
+            let n = store_chunk(&sink_reg, &sink_handle, id, data, &sink_notes)?;
             sink_written.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
             Ok(())
         }),
-    );
+    )
+    // The index's answer only: a chunk it does not know goes to a worker, which asks
+    // the store (a HEAD on S3) beside the chunker.
+    .with_known(Box::new(move |id| {
+        let have = known_reg
+            .index
+            .chunk(&id.to_string())
+            .map_err(io::Error::other)?
+            .is_some();
+        if have {
+            metrics::counter!(CHUNKS_EXISTING).increment(1);
+        }
+        Ok(have)
+    }));
     let limits = amber_converter::tree::Limits {
         max_entries: reg.config.max_image_entries,
         deadline: Some(
@@ -598,7 +741,7 @@ fn convert_layers(
         reg: reg.clone(),
         handle: handle.clone(),
     };
-    let out = amber_converter::convert_reusing(
+    let converted = amber_converter::convert_reusing(
         inputs,
         &mut scratch,
         &mut sink,
@@ -609,9 +752,24 @@ fn convert_layers(
             start,
             keep,
             source: Some(&mut source),
+            keep_whole: Some(Box::new(move |inodes| {
+                // Stored only if it costs at most 1/WHOLE_CHAIN_STATE_SHARE of the chunk
+                // bytes written (`convert_and_keep`): a state below its size floor that
+                // misses that already is not computed.
+                inodes * MIN_STATE_BYTES_PER_INODE * WHOLE_CHAIN_STATE_SHARE
+                    <= written_so_far.load(std::sync::atomic::Ordering::Relaxed)
+            })),
         },
-    )?;
-    sink.finish()?;
+    )
+    .map_err(anyhow::Error::from)
+    .and_then(|out| {
+        sink.finish()?;
+        Ok(out)
+    });
+    // Every worker has stopped (finished, or joined when dropped on an error).
+    let notes = std::mem::take(&mut *notes.lock().unwrap_or_else(|p| p.into_inner()));
+    record_chunks(reg, handle, notes, converted.is_ok())?;
+    let out = converted?;
     Ok((out, written.load(std::sync::atomic::Ordering::Relaxed)))
 }
 

@@ -75,6 +75,10 @@ pub struct Registry {
     /// The background tasks (conversion workers, sweeps) `stop_background` waits for, so
     /// none of them holds the index when the process ends.
     pub background: tokio_util::task::TaskTracker,
+    /// Chunks this process's conversions wrote whole with `put_batched` and have not yet
+    /// recorded in the index (their batch is not synced), with whether each waits for
+    /// recompression: another conversion that finds one trusts it without reading it.
+    pub(crate) unsynced_chunks: Mutex<HashMap<amber_converter::manifest::ChunkId, bool>>,
 }
 
 /// This process's share of the conversion queue: the images its workers are converting
@@ -126,6 +130,7 @@ impl Registry {
             conversions_settled: tokio::sync::Notify::new(),
             stopping: tokio_util::sync::CancellationToken::new(),
             background: tokio_util::task::TaskTracker::new(),
+            unsynced_chunks: Mutex::new(HashMap::new()),
         }
     }
 

@@ -859,6 +859,66 @@ async fn downloads_redirect_to_presigned_s3_urls() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chunk_file_a_crash_cut_short_is_written_again_by_the_next_conversion() {
+    // A conversion's chunk files become durable with one sync of the store's file system
+    // when it ends, and enter the index only then: a crash before it can leave a chunk's
+    // file empty, short or whole under its name, with no index entry. The next
+    // conversion that needs such a chunk reads it and checks it against its id: a whole
+    // one is kept, an empty or short one written again.
+    #[derive(Default)]
+    struct Chunks(Vec<(ChunkId, Vec<u8>)>);
+    impl amber_converter::chunk::ChunkSink for Chunks {
+        fn put(&mut self, id: ChunkId, data: &[u8]) -> std::io::Result<()> {
+            self.0.push((id, data.to_vec()));
+            Ok(())
+        }
+    }
+    let tars = layers();
+    let (local_env, local_dev) = local_conversion(&tars);
+    let mut chunks = Chunks::default();
+    let mut scratch = tempfile::tempfile().unwrap();
+    let inputs = tars.iter().map(|b| amber_converter::LayerInput {
+        name: "l".into(),
+        reader: Box::new(&b[..]),
+    });
+    amber_converter::convert(inputs, &mut scratch, &mut chunks, None, &mut |_| {}).unwrap();
+    assert!(chunks.0.len() >= 3, "{} chunks", chunks.0.len());
+    let tmp = tempfile::tempdir().unwrap();
+    let path = |id: &ChunkId| {
+        let hex = id.hex();
+        tmp.path()
+            .join(format!("store/chunks/blake3/{}/{hex}", &hex[..2]))
+    };
+    let whole = |data: &[u8]| zstd::bulk::compress(data, 3).unwrap();
+    let left = [
+        Vec::new(),
+        whole(&chunks.0[1].1)[..10].to_vec(),
+        whole(&chunks.0[2].1),
+    ];
+    for ((id, _), bytes) in chunks.0.iter().zip(&left) {
+        std::fs::create_dir_all(path(id).parent().unwrap()).unwrap();
+        std::fs::write(path(id), bytes).unwrap();
+    }
+    let s = Server::start_in(tmp.path(), &[]);
+    push_image(&s, "conv/crash", "v1", &gzipped(&tars)).await;
+    let v = settled(&s, "conv/crash", "v1").await;
+    assert_eq!(v["state"], "done", "{v}");
+    assert_eq!(v["env_digest"], local_env);
+    let (_, dev) = device_from_api(&s, &local_env).await;
+    assert!(dev == local_dev, "device bytes differ");
+    for (i, (id, data)) in chunks.0.iter().take(3).enumerate() {
+        let stored = std::fs::read(path(id)).unwrap();
+        let back = zstd::bulk::decompress(&stored, 1 << 21).unwrap();
+        assert!(&back == data, "chunk {i} ({id}) is not whole in the store");
+    }
+    assert_eq!(
+        std::fs::read(path(&chunks.0[2].0)).unwrap(),
+        left[2],
+        "the whole chunk was kept as it was"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fsck_checks_chunks_and_block_manifests() {
     let tmp = tempfile::tempdir().unwrap();
     let s = Server::start_in(tmp.path(), &[]);

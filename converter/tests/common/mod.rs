@@ -39,6 +39,19 @@ pub fn run(layers: &[Vec<u8>]) -> Result<(Converted, Vec<u8>, MemSink), ConvertE
     Ok((out, raw, sink))
 }
 
+/// Converts layers without a raw sink, as the registry does: large files are stored as
+/// chunks while their layer streams.
+pub fn run_streamed(layers: &[Vec<u8>]) -> Result<(Converted, MemSink), ConvertError> {
+    let mut sink = MemSink::default();
+    let mut scratch = tempfile::tempfile().unwrap();
+    let inputs = layers.iter().enumerate().map(|(i, l)| LayerInput {
+        name: format!("layer{i}"),
+        reader: Box::new(&l[..]),
+    });
+    let out = convert(inputs, &mut scratch, &mut sink, None, &mut |_| {})?;
+    Ok((out, sink))
+}
+
 /// Builds the device from its manifest and chunks (what a runner would see).
 pub fn assemble(out: &Converted, sink: &MemSink) -> Vec<u8> {
     let mut dev = vec![0u8; out.manifest.device_size as usize];

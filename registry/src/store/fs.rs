@@ -324,31 +324,109 @@ impl FsStore {
     /// Links complete file `src` to `dst` (no replace), then makes the link durable.
     async fn link_durably(&self, src: &Path, dst: &Path) -> Result<(), StoreError> {
         let (src, dst) = (src.to_path_buf(), dst.to_path_buf());
-        tokio::task::spawn_blocking(move || link_file(&src, &dst))
+        tokio::task::spawn_blocking(move || link_file(&src, &dst, Durability::Durable))
             .await
             .map_err(not_finished)?
     }
 }
 
+/// Whether a put makes the object durable before it returns (`Durable`), or leaves that
+/// to a later `syncfs` (`Batched`: `ObjectStore::put_batched`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Durability {
+    Durable,
+    Batched,
+}
+
 /// Publishes `data` as the object at `dst` under store `root`, unless it exists: written
-/// to a file of its own under `_tmp`, fsynced, then linked (`link_file`). Blocking.
-fn put_file(root: &Path, dst: &Path, data: &[u8], name: &str) -> Result<(), StoreError> {
+/// to a file of its own under `_tmp` (fsynced when `Durable`), then linked (`link_file`).
+/// A reader never sees the object partial. Blocking.
+fn put_file(
+    root: &Path,
+    dst: &Path,
+    data: &[u8],
+    name: &str,
+    durability: Durability,
+) -> Result<(), StoreError> {
     if dst.try_exists().unwrap_or(false) {
         return Ok(());
     }
-    let tmp = write_tmp(root, data, name)?;
-    let res = link_file(&tmp, dst);
+    let tmp = write_tmp(root, data, name, durability)?;
+    let res = link_file(&tmp, dst, durability);
     let _ = std::fs::remove_file(&tmp);
     res
 }
 
-/// `data` in a new fsynced file under `root`/_tmp; its path. Blocking.
-fn write_tmp(root: &Path, data: &[u8], name: &str) -> Result<PathBuf, StoreError> {
+/// Publishes `data` at `dst` (no replace), not synced: written to an unnamed file in
+/// `dst`'s directory (`O_TMPFILE`), then linked under its name, so a reader never sees
+/// it partial and no name is created and removed in `_tmp` (one directory that every
+/// chunk write of every conversion locked twice). `Ok(false)`: this file system or
+/// kernel cannot, nothing was published. Blocking.
+fn put_unnamed(dst: &Path, data: &[u8]) -> io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = dst.parent().expect("object keys have a parent");
+    std::fs::create_dir_all(dir)?;
+    let mut f = match std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_TMPFILE)
+        .mode(0o644)
+        .open(dir)
+    {
+        Ok(f) => f,
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EOPNOTSUPP | libc::EISDIR | libc::EINVAL)
+            ) =>
+        {
+            return Ok(false)
+        }
+        Err(e) => return Err(e),
+    };
+    f.write_all(data)?;
+    let from = std::ffi::CString::new(format!("/proc/self/fd/{}", f.as_raw_fd()))
+        .expect("no NUL in a number");
+    let to = std::ffi::CString::new(dst.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in an object path"))?;
+    // SAFETY: both paths are NUL-terminated strings that live across the call.
+    let linked = unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    };
+    if linked == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    match e.kind() {
+        // Another writer published the same content first.
+        io::ErrorKind::AlreadyExists => Ok(true),
+        // No /proc to name the unnamed file by.
+        io::ErrorKind::NotFound if !Path::new("/proc/self/fd").exists() => Ok(false),
+        _ => Err(e),
+    }
+}
+
+/// `data` in a new file under `root`/_tmp (fsynced when `Durable`); its path. Blocking.
+fn write_tmp(
+    root: &Path,
+    data: &[u8],
+    name: &str,
+    durability: Durability,
+) -> Result<PathBuf, StoreError> {
     let tmp = root.join("_tmp").join(uuid::Uuid::new_v4().to_string());
     let written = (|| {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(data)?;
-        f.sync_all()
+        match durability {
+            Durability::Durable => f.sync_all(),
+            Durability::Batched => Ok(()),
+        }
     })();
     written.map(|()| tmp.clone()).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
@@ -357,8 +435,9 @@ fn write_tmp(root: &Path, data: &[u8], name: &str) -> Result<PathBuf, StoreError
 }
 
 /// Links complete file `src` to `dst` (no replace: an existing `dst` has the same
-/// bytes), then fsyncs `dst`'s directory so the link survives a crash. Blocking.
-fn link_file(src: &Path, dst: &Path) -> Result<(), StoreError> {
+/// bytes), then, when `Durable`, fsyncs `dst`'s directory so the link survives a crash.
+/// Blocking.
+fn link_file(src: &Path, dst: &Path, durability: Durability) -> Result<(), StoreError> {
     let dir = dst.parent().expect("object keys have a parent");
     std::fs::create_dir_all(dir).map_err(|e| StoreError::io(dir.display().to_string(), e))?;
     match std::fs::hard_link(src, dst) {
@@ -366,7 +445,10 @@ fn link_file(src: &Path, dst: &Path) -> Result<(), StoreError> {
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(StoreError::io(dst.display().to_string(), e)),
     }
-    sync_dir(dir)
+    match durability {
+        Durability::Durable => sync_dir(dir),
+        Durability::Batched => Ok(()),
+    }
 }
 
 /// fsync of directory `dir` (makes the names linked or renamed in it durable).
@@ -457,15 +539,17 @@ impl ObjectStore for FsStore {
 
     async fn put(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError> {
         let (root, dst, name) = (self.root.clone(), self.path(key), key.as_str().to_string());
-        tokio::task::spawn_blocking(move || put_file(&root, &dst, &data, &name))
-            .await
-            .map_err(not_finished)?
+        tokio::task::spawn_blocking(move || {
+            put_file(&root, &dst, &data, &name, Durability::Durable)
+        })
+        .await
+        .map_err(not_finished)?
     }
 
     async fn put_replacing(&self, key: &ObjectKey, data: Bytes) -> Result<(), StoreError> {
         let (root, dst, name) = (self.root.clone(), self.path(key), key.as_str().to_string());
         tokio::task::spawn_blocking(move || {
-            let tmp = write_tmp(&root, &data, &name)?;
+            let tmp = write_tmp(&root, &data, &name, Durability::Durable)?;
             let dir = dst.parent().expect("object keys have a parent");
             // rename(2) replaces atomically: an open (or mapped) old file keeps its bytes.
             let res = std::fs::create_dir_all(dir)
@@ -499,7 +583,53 @@ impl ObjectStore for FsStore {
         key: &ObjectKey,
         data: Bytes,
     ) -> Result<(), StoreError> {
-        put_file(&self.root, &self.path(key), &data, key.as_str())
+        put_file(
+            &self.root,
+            &self.path(key),
+            &data,
+            key.as_str(),
+            Durability::Durable,
+        )
+    }
+
+    fn put_batched(
+        &self,
+        _: &tokio::runtime::Handle,
+        key: &ObjectKey,
+        data: Bytes,
+    ) -> Result<(), StoreError> {
+        let dst = self.path(key);
+        if dst.try_exists().unwrap_or(false) {
+            return Ok(());
+        }
+        match put_unnamed(&dst, &data) {
+            Ok(true) => Ok(()),
+            // No O_TMPFILE here (an old kernel, a file system without it) or no /proc:
+            // through a named file in `_tmp`.
+            Ok(false) => put_file(&self.root, &dst, &data, key.as_str(), Durability::Batched),
+            Err(e) => Err(StoreError::io(dst.display().to_string(), e)),
+        }
+    }
+
+    /// One `syncfs(2)` of the store's file system: every file written and every name
+    /// linked before it is durable when it returns (it also writes back whatever else is
+    /// dirty on that file system, such as conversions' scratch files).
+    fn sync_batch(&self, _: &tokio::runtime::Handle) -> Result<(), StoreError> {
+        use std::os::fd::AsRawFd;
+        let root = std::fs::File::open(&self.root)
+            .map_err(|e| StoreError::io(self.root.display().to_string(), e))?;
+        // SAFETY: syncfs only reads the descriptor, which `root` keeps open.
+        if unsafe { libc::syncfs(root.as_raw_fd()) } != 0 {
+            return Err(StoreError::io(
+                "syncfs of the store's file system",
+                io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn batched_may_be_short(&self) -> bool {
+        true
     }
 
     async fn append_staged(
@@ -892,6 +1022,43 @@ mod tests {
             .unwrap();
         assert_eq!(store.stat_blocking(rt.handle(), &key).unwrap(), Some(5));
         assert_eq!(&rt.block_on(store.read_all(&key)).unwrap()[..], b"bytes");
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("_tmp")).unwrap().count(),
+            0
+        );
+    }
+
+    /// A batched put is readable at once and create-once like any put, leaves nothing in
+    /// `_tmp`, and a sync of the batch succeeds; the store says a crash could cut such
+    /// an object short (so a conversion checks one it has no record of).
+    #[test]
+    fn batched_puts_are_readable_at_once_and_synced_together() {
+        use super::super::{ObjectKey, ObjectStore};
+        use bytes::Bytes;
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::FsStore::open(dir.path()).unwrap();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let keys: Vec<ObjectKey> = (0..3u8)
+            .map(|i| ObjectKey::chunk(&amber_oci::env::ChunkId::of(&[i])))
+            .collect();
+        for (i, key) in keys.iter().enumerate() {
+            store
+                .put_batched(rt.handle(), key, Bytes::from(vec![i as u8; 10 + i]))
+                .unwrap();
+            assert_eq!(
+                store.stat_blocking(rt.handle(), key).unwrap(),
+                Some(10 + i as u64)
+            );
+        }
+        store
+            .put_batched(rt.handle(), &keys[0], Bytes::from_static(b"other"))
+            .unwrap();
+        assert_eq!(
+            &rt.block_on(store.read_all(&keys[0])).unwrap()[..],
+            &[0u8; 10]
+        );
+        store.sync_batch(rt.handle()).unwrap();
+        assert!(store.batched_may_be_short());
         assert_eq!(
             std::fs::read_dir(dir.path().join("_tmp")).unwrap().count(),
             0
