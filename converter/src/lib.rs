@@ -141,7 +141,15 @@ pub struct Reuse<'s> {
     /// state after all (a caller that keeps it only when it is small beside what the
     /// conversion stored says no before paying for it). Without it, it is computed.
     pub keep_whole: Option<Box<dyn FnOnce(u64) -> bool + 's>>,
+    /// Asked at each layer boundary below the whole image that `keep` does not name,
+    /// with the chain's length, the uncompressed bytes of its top layer and the tree's
+    /// inode count: whether to keep that state too (a caller may keep a chain no image
+    /// had before when reading its top layer again would cost far more than storing it).
+    pub keep_also: Option<Box<KeepAlso<'s>>>,
 }
+
+/// `Reuse::keep_also`: (chain length, top layer's uncompressed bytes, inodes) -> keep.
+pub type KeepAlso<'s> = dyn FnMut(u32, u64, u64) -> bool + 's;
 
 /// `convert_with_limits` from a reused chain state, keeping the states `reuse.keep`
 /// asks for. The env digest is the same as a conversion of every layer gives.
@@ -159,6 +167,7 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
         keep,
         mut source,
         keep_whole,
+        mut keep_also,
     } = reuse;
     let layers: Vec<LayerInput<'a>> = layers.into_iter().collect();
     let (mut t, mut stored, mut diff_ids, mut layer_bytes, first) = match start {
@@ -217,7 +226,12 @@ pub fn convert_reusing<'a, 's, S: Read + Write + Seek>(
             })?;
             diff_ids.push(diff_id);
             layer_bytes += n;
-            if index + 1 < whole && keep.contains(&(index + 1)) {
+            let wanted = index + 1 < whole
+                && (keep.contains(&(index + 1))
+                    || keep_also
+                        .as_mut()
+                        .is_some_and(|also| also(index + 1, n, t.inodes.len() as u64)));
+            if wanted {
                 kept.push((index + 1, t.inodes.clone(), diff_ids.clone(), layer_bytes));
             }
         }

@@ -132,6 +132,7 @@ fn convert_from(
             keep,
             source: Some(&mut source),
             keep_whole: None,
+            keep_also: None,
         },
     )
     .unwrap()
@@ -306,6 +307,7 @@ fn a_state_that_names_a_missing_chunk_fails_the_conversion_with_its_id() {
             keep: vec![],
             source: Some(&mut source),
             keep_whole: None,
+            keep_also: None,
         },
     )
     .unwrap_err();
@@ -350,4 +352,56 @@ fn a_pack_that_lost_its_tail_is_not_taken_for_the_stored_chunk() {
     );
     assert_eq!(out.manifest.env_digest(), full.manifest.env_digest());
     assert_eq!(assemble(&out, &store), raw);
+}
+
+#[test]
+fn states_asked_for_at_a_boundary_or_refused_for_the_whole_image_are_as_kept_ones() {
+    // `keep_also` is asked at each boundary below the whole image (chain length, the top
+    // layer's uncompressed bytes, the tree's inodes); what it keeps is the state `keep`
+    // would give. `keep_whole` saying no leaves the whole image's state out.
+    let tars = layers();
+    let n = tars.len() as u32;
+    let reads = Cell::new(0);
+    let mut store = MemSink::default();
+    let listed = convert_from(&tars, None, (1..=n).collect(), &mut store, &reads, None);
+    let mut asked = Vec::new();
+    let mut scratch = tempfile::tempfile().unwrap();
+    let inputs = tars.iter().enumerate().map(|(i, l)| LayerInput {
+        name: format!("layer{i}"),
+        reader: Box::new(&l[..]),
+    });
+    let mut again = MemSink::default();
+    let out = convert_reusing(
+        inputs,
+        &mut scratch,
+        &mut again,
+        None,
+        &mut |_| {},
+        tree::Limits::default(),
+        Reuse {
+            start: None,
+            keep: vec![n],
+            source: None,
+            keep_whole: Some(Box::new(|_| false)),
+            keep_also: Some(Box::new(|len, bytes, inodes| {
+                asked.push((len, bytes, inodes));
+                len == 1
+            })),
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        asked.len() as u32,
+        n - 1,
+        "asked below the whole image only"
+    );
+    assert_eq!(asked[0].1, tars[0].len() as u64, "the top layer's bytes");
+    assert!(asked.windows(2).all(|w| w[0].2 <= w[1].2), "inodes grow");
+    assert_eq!(
+        out.chains.len(),
+        1,
+        "the one asked for; the whole one refused"
+    );
+    assert_eq!(out.chains[0].encode(), listed.chains[0].encode());
+    assert_eq!(out.manifest, listed.manifest);
 }

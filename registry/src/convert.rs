@@ -17,6 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use amber_converter::chain::{chain_keys, ChainKey, ChainState};
 use amber_converter::chunk::{ChunkSource, ParallelSink};
+
+use crate::chain_flight::Listed;
 use amber_converter::manifest::{ChunkId, EnvDigest, ManifestEnvelope, Provenance};
 use amber_converter::{LayerInput, Reuse};
 use bytes::Bytes;
@@ -348,6 +350,18 @@ const WHOLE_CHAIN_STATE_SHARE: u64 = 50;
 /// computed (computing and encoding it took about 5% of the corpus's conversion CPU,
 /// for states almost never kept).
 const MIN_STATE_BYTES_PER_INODE: u64 = 16;
+/// About what an encoded layer-chain state takes per inode (measured: a third of a MiB
+/// per 10,000 files).
+const STATE_BYTES_PER_INODE: u64 = 34;
+/// A chain no image had before keeps its state when its top layer's uncompressed bytes
+/// are at least this many times the state's (about 34 B an inode): a base layer, or a
+/// task environment's dependencies, which the next image on it would read again (the
+/// corpus: each base and each big environment layer was read twice). A state then costs
+/// at most about a tenth of what that layer adds to the store.
+const FIRST_SIGHT_LAYER_SHARE: u64 = 32;
+/// How long a conversion waits for the state of its lower layers that another
+/// conversion of this process is making (`chain_flight`) before it reads them itself.
+const CHAIN_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// What `.env` memo objects hold: the env of exactly one chain of layers.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -516,11 +530,28 @@ fn convert_and_keep(
     layers: &[Layer],
     keys: &[ChainKey],
 ) -> anyhow::Result<(Bytes, ManifestEnvelope)> {
-    let start = match keys.len() {
+    let mut start = match keys.len() {
         0 => None,
         n => longest_kept_chain(reg, handle, &keys[..n - 1])?,
     };
-    let ((out, new_bytes), read) = match start {
+    // A longer chain of this image's lower layers than the kept one is being converted
+    // by another conversion of this process, which keeps its state: wait for it.
+    if let Some(below) = keys.len().checked_sub(1) {
+        let have = start.as_ref().map_or(0, |s| s.layers as usize);
+        if let Some(k) = reg
+            .chains_in_flight
+            .longest_listed(&keys[..below])
+            .filter(|&k| k >= have)
+        {
+            if reg
+                .chains_in_flight
+                .wait(&keys[k], &reg.stopping, CHAIN_WAIT)
+            {
+                start = longest_kept_chain(reg, handle, &keys[..below])?;
+            }
+        }
+    }
+    let ((out, new_bytes, listed), read) = match start {
         Some(state) => {
             let reused = state.layers as usize;
             match convert_layers(reg, handle, layers, keys, Some(state)) {
@@ -575,6 +606,7 @@ fn convert_and_keep(
         reg.store
             .put_blocking(handle, &ObjectKey::chain(key), Bytes::from(encoded))?;
     }
+    drop(listed);
     if let Some(key) = keys.last() {
         let memo = serde_json::to_vec(&ChainEnv {
             env: env.to_string(),
@@ -643,14 +675,16 @@ fn keep_as_recipe(
 
 /// Runs the converter over the layers above `start` (all of them without one), keeping
 /// the states of the chains above it that no conversion kept yet; every chunk is stored
-/// when this returns. Also returns the compressed bytes of the chunks it wrote.
+/// when this returns. Also returns the compressed bytes of the chunks it wrote, and the
+/// listing of the chains below the whole image whose states it returns
+/// (`chain_flight`), to hold until they are stored.
 fn convert_layers(
     reg: &Arc<Registry>,
     handle: &Handle,
     layers: &[Layer],
     keys: &[ChainKey],
     start: Option<ChainState>,
-) -> anyhow::Result<(amber_converter::Converted, u64)> {
+) -> anyhow::Result<(amber_converter::Converted, u64, Listed)> {
     let first = start.as_ref().map_or(0, |s| s.layers as usize);
     metrics::counter!(CONVERT_LAYERS_READ).increment((layers.len() - first) as u64);
     tracing::debug!(
@@ -678,6 +712,7 @@ fn convert_layers(
     // Its state is computed, and stored only if it is cheap beside what the conversion
     // stored (`WHOLE_CHAIN_STATE_SHARE`).
     let mut keep = Vec::new();
+    let mut unseen = Vec::new();
     for (k, key) in keys.iter().enumerate().skip(first) {
         let whole = k + 1 == keys.len();
         if whole {
@@ -696,8 +731,18 @@ fn convert_layers(
             }
         } else {
             reg.store.put_blocking(handle, &marker, Bytes::new())?;
+            unseen.push(k as u32 + 1);
         }
     }
+    // Listed: the chains below the whole image whose states this conversion keeps, or
+    // may keep (`keep_also`, for a chain seen here first): another conversion over them
+    // waits for this one rather than read the same layers beside it.
+    let listed = reg.chains_in_flight.list(
+        keep.iter()
+            .chain(&unseen)
+            .filter(|&&n| (n as usize) < keys.len())
+            .map(|&n| keys[n as usize - 1]),
+    );
     let scratch_dir = reg.config.data.join("tmp");
     std::fs::create_dir_all(&scratch_dir)?;
     let mut scratch = tempfile::tempfile_in(&scratch_dir)?;
@@ -752,6 +797,12 @@ fn convert_layers(
             start,
             keep,
             source: Some(&mut source),
+            // A chain seen for the first time is kept too when its top layer is big
+            // beside the state: the next image on it would read that layer again.
+            keep_also: Some(Box::new(move |len, layer_bytes, inodes| {
+                unseen.contains(&len)
+                    && layer_bytes >= FIRST_SIGHT_LAYER_SHARE * inodes * STATE_BYTES_PER_INODE
+            })),
             keep_whole: Some(Box::new(move |inodes| {
                 // Stored only if it costs at most 1/WHOLE_CHAIN_STATE_SHARE of the chunk
                 // bytes written (`convert_and_keep`): a state below its size floor that
@@ -770,7 +821,11 @@ fn convert_layers(
     let notes = std::mem::take(&mut *notes.lock().unwrap_or_else(|p| p.into_inner()));
     record_chunks(reg, handle, notes, converted.is_ok())?;
     let out = converted?;
-    Ok((out, written.load(std::sync::atomic::Ordering::Relaxed)))
+    Ok((
+        out,
+        written.load(std::sync::atomic::Ordering::Relaxed),
+        listed,
+    ))
 }
 
 /// Stores the envelope as a blob and an artifact manifest whose subject is the image.

@@ -26,6 +26,7 @@ pub mod api;
 pub mod auth;
 pub mod blocking;
 pub mod bytes_cache;
+pub mod chain_flight;
 pub mod clock;
 pub mod config;
 pub mod convert;

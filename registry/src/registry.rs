@@ -79,6 +79,8 @@ pub struct Registry {
     /// recorded in the index (their batch is not synced), with whether each waits for
     /// recompression: another conversion that finds one trusts it without reading it.
     pub(crate) unsynced_chunks: Mutex<HashMap<amber_converter::manifest::ChunkId, bool>>,
+    /// Layer chains whose states this process's running conversions will keep.
+    pub chains_in_flight: Arc<crate::chain_flight::ChainsInFlight>,
 }
 
 /// This process's share of the conversion queue: the images its workers are converting
@@ -131,6 +133,7 @@ impl Registry {
             stopping: tokio_util::sync::CancellationToken::new(),
             background: tokio_util::task::TaskTracker::new(),
             unsynced_chunks: Mutex::new(HashMap::new()),
+            chains_in_flight: Default::default(),
         }
     }
 

@@ -554,10 +554,11 @@ async fn docker_export_equals_the_tree_in_amber_s_erofs_device() {
     ]);
     build(&s, "special", &apt_key);
     diffs.extend(compare(&s, "special", work.path()).await);
-    // debian-apt marked the Debian base's chain (and its own) as seen, python-pip kept
-    // the base's state, and node-npm and special were converted from it (special, built
-    // on debian-apt, keeps debian-apt's state for the next image on it): a conversion of
-    // every layer in another process gives the same env digests.
+    // The first images on the Debian base kept its state (debian-apt at once, the base
+    // layer being big beside it, or python-pip, the second image on it), and the later
+    // ones were converted from it (special, built on debian-apt, keeps debian-apt's state
+    // for the next image on it): a conversion of every layer in another process gives
+    // the same env digests.
     let metrics = metrics_text(&s).await;
     assert!(
         metric(&metrics, "amber_conversion_layers_reused_total") >= 2,
