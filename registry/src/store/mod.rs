@@ -473,7 +473,7 @@ pub trait ObjectStore: Send + Sync + 'static {
     /// empty under its name (`batched_may_be_short`), so a caller records it anywhere
     /// durable only after the sync, and checks the bytes of such an object it finds
     /// without a record. A backend whose puts are durable when they return keeps these
-    /// defaults. On fs, one sync instead of two fsyncs an object: about a tenth of the
+    /// defaults. On fs, one sync instead of two fsyncs an object: about a sixth of the
     /// registry's CPU while the corpus converted.
     fn put_batched(
         &self,
