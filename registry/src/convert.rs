@@ -156,12 +156,7 @@ fn store_chunk(
         return Err(stopping_error());
     }
     let note = |n: ChunkNote| notes.lock().unwrap_or_else(|p| p.into_inner()).push(n);
-    if reg
-        .index
-        .chunk(&id.to_string())
-        .map_err(io::Error::other)?
-        .is_some()
-    {
+    if indexed(reg, &id)? {
         metrics::counter!(CHUNKS_EXISTING).increment(1);
         return Ok(0);
     }
@@ -204,6 +199,15 @@ fn store_chunk(
     metrics::counter!(CHUNKS_WRITTEN).increment(1);
     metrics::counter!(CHUNK_BYTES_WRITTEN).increment(size);
     Ok(size)
+}
+
+/// Whether the index records chunk `id` (stored, and durable).
+fn indexed(reg: &Registry, id: &ChunkId) -> io::Result<bool> {
+    Ok(reg
+        .index
+        .chunk(&id.to_string())
+        .map_err(io::Error::other)?
+        .is_some())
 }
 
 fn unsynced(reg: &Registry) -> std::sync::MutexGuard<'_, HashMap<ChunkId, bool>> {
@@ -270,26 +274,30 @@ fn record_chunks(
     notes: Vec<ChunkNote>,
     converted: bool,
 ) -> anyhow::Result<()> {
-    let recorded = (|| -> anyhow::Result<()> {
-        if !converted {
-            return Ok(());
-        }
-        reg.store.sync_batch(handle)?;
-        for n in &notes {
-            if reg
-                .index
-                .put_chunk(&n.id.to_string(), n.size, n.recompress)?
-            {
-                metrics::gauge!(crate::metrics::CHUNKS_TO_RECOMPRESS).increment(1);
-            }
-        }
+    let recorded = if converted {
+        index_chunks(reg, handle, &notes)
+    } else {
         Ok(())
-    })();
+    };
     let mut unsynced = unsynced(reg);
     for n in notes.iter().filter(|n| n.written) {
         unsynced.remove(&n.id);
     }
     recorded
+}
+
+/// One sync of the store's batch, then every note in the index.
+fn index_chunks(reg: &Registry, handle: &Handle, notes: &[ChunkNote]) -> anyhow::Result<()> {
+    reg.store.sync_batch(handle)?;
+    for n in notes {
+        if reg
+            .index
+            .put_chunk(&n.id.to_string(), n.size, n.recompress)?
+        {
+            metrics::gauge!(crate::metrics::CHUNKS_TO_RECOMPRESS).increment(1);
+        }
+    }
+    Ok(())
 }
 
 /// `data` as one zstd frame at `level`, with a compression context kept per thread: a
@@ -646,9 +654,7 @@ fn keep_as_recipe(
         }
         let reader = object_reader(reg, handle, blob.clone(), layer.size)?;
         let mut has_chunk = |id: &ChunkId| -> io::Result<bool> {
-            let name = id.to_string();
-            Ok(reg.index.chunk(&name).map_err(io::Error::other)?.is_some()
-                || matches!(found_chunk(reg, handle, id)?, Found::Whole { .. }))
+            Ok(indexed(reg, id)? || matches!(found_chunk(reg, handle, id)?, Found::Whole { .. }))
         };
         let Some(planned) = crate::recipe::plan(d, reader, packed, &mut has_chunk)? else {
             return Ok(None);
@@ -766,11 +772,7 @@ fn convert_layers(
     // The index's answer only: a chunk it does not know goes to a worker, which asks
     // the store (a HEAD on S3) beside the chunker.
     .with_known(Box::new(move |id| {
-        let have = known_reg
-            .index
-            .chunk(&id.to_string())
-            .map_err(io::Error::other)?
-            .is_some();
+        let have = indexed(&known_reg, id)?;
         if have {
             metrics::counter!(CHUNKS_EXISTING).increment(1);
         }

@@ -366,13 +366,22 @@ fn put_unnamed(dst: &Path, data: &[u8]) -> io::Result<bool> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::OpenOptionsExt;
     let dir = dst.parent().expect("object keys have a parent");
-    std::fs::create_dir_all(dir)?;
-    let mut f = match std::fs::OpenOptions::new()
-        .write(true)
-        .custom_flags(libc::O_TMPFILE)
-        .mode(0o644)
-        .open(dir)
-    {
+    let open = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(libc::O_TMPFILE)
+            .mode(0o644)
+            .open(dir)
+    };
+    // The directory is made only when missing: most puts land in one that exists.
+    let opened = match open() {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(dir)?;
+            open()
+        }
+        other => other,
+    };
+    let mut f = match opened {
         Ok(f) => f,
         Err(e)
             if matches!(
@@ -598,10 +607,9 @@ impl ObjectStore for FsStore {
         key: &ObjectKey,
         data: Bytes,
     ) -> Result<(), StoreError> {
+        // No existence check first: the caller (a conversion) has just looked, and a
+        // link over an existing name leaves it as it is.
         let dst = self.path(key);
-        if dst.try_exists().unwrap_or(false) {
-            return Ok(());
-        }
         match put_unnamed(&dst, &data) {
             Ok(true) => Ok(()),
             // No O_TMPFILE here (an old kernel, a file system without it) or no /proc:
