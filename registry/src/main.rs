@@ -11,6 +11,13 @@ use amber_registry::config::ConfigArgs;
 /// CPU (catalog pages 6,800 req/s with glibc, 18,600 with jemalloc, at 20,000 images).
 /// mimalloc was as fast but peaked at 2.2 GiB resident during that ingest (a heap per
 /// blocking thread, up to 167 of them), against 260 MiB with jemalloc and 190 with glibc.
+///
+/// Unprefixed: jemalloc is `malloc` for the whole process, RocksDB's and zstd's C and C++
+/// allocations included. At a million images nearly every RocksDB lookup allocates and
+/// frees a block, and glibc's arenas (two, behind locks) held more: after the same reads of
+/// a million-image store the registry held 274-278 MiB resident instead of 331, and a
+/// 100,000-image ingest with conversion peaked at 439 MiB instead of 450 (ingest 491 s
+/// against 500; BENCHMARKS.md, "Memory: one allocator for the whole process").
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
@@ -118,25 +125,22 @@ fn init_logs() -> tracing_appender::non_blocking::WorkerGuard {
 /// of 380-391 at a million images); 8,192 measured the same RSS as this and no less CPU.
 const LOG_QUEUE_LINES: usize = 32768;
 
-/// Keeps glibc's allocator from holding freed upload and download buffers: a fixed mmap
-/// threshold returns large buffers to the kernel when freed (the default threshold grows
-/// after the first free and then keeps them in per-thread arenas), and two arenas bound
-/// how many heaps the blocking I/O threads spread over.
-fn tune_allocator() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt only changes allocator parameters; called before any thread starts
-    // (the log writer's included).
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 2);
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
-    }
-}
+/// Threads of the runtime's blocking pool (file I/O, fsynced writes, the cores of
+/// workers inside `block_in_place`). An idle thread ends after ten idle seconds, but a
+/// trickle of blocking calls keeps waking a different one, so the pool stayed at its
+/// high-water mark: 150-160 threads after a million-image push, each holding its
+/// allocator cache. Bounded, a 100,000-image ingest with conversion ended with 73
+/// threads instead of 138 and peaked at 370 MiB instead of 439 (531 s instead of 491).
+/// No task of the pool waits for another task of the pool (conversions, which wait for
+/// their store calls, run on threads of their own: `convert_queue`), so a full pool only
+/// queues calls, it never stops them.
+const BLOCKING_THREADS: usize = 64;
 
 fn main() -> std::process::ExitCode {
-    tune_allocator();
     let logs = init_logs();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        .max_blocking_threads(BLOCKING_THREADS)
         .build()
         .expect("starting the tokio runtime");
     let result = runtime.block_on(run(Cli::parse()));
