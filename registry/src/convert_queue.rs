@@ -427,22 +427,10 @@ async fn claim_and_convert(reg: &Arc<Registry>, image: &Digest) -> anyhow::Resul
     let job_reg = reg.clone();
     let job_image = image.clone();
     let repo = c.repo.clone();
-    // A thread of its own, not the runtime's blocking pool: a conversion waits on its
-    // store calls, which run in that pool, so conversions holding pool threads could
-    // leave none for them (the pool is bounded: `BLOCKING_THREADS` in main.rs).
-    let (done, result) = tokio::sync::oneshot::channel();
-    let spawned = std::thread::Builder::new()
-        .name("amber-convert".into())
-        .spawn(move || {
-            let _runtime = handle.enter();
-            let _ = done.send(convert_image(&job_reg, &handle, &repo, &job_image));
-        });
-    let result = match spawned {
-        Ok(_) => result
+    let result =
+        tokio::task::spawn_blocking(move || convert_image(&job_reg, &handle, &repo, &job_image))
             .await
-            .unwrap_or_else(|_| Err(anyhow::anyhow!("conversion thread panicked"))),
-        Err(e) => Err(anyhow::anyhow!("starting a conversion thread: {e}")),
-    };
+            .unwrap_or_else(|e| Err(anyhow::anyhow!("conversion task panicked: {e}")));
     renewal.abort();
     if result.is_err() && reg.stopping.is_cancelled() {
         // Cut short by the shutdown (`convert::Stopping`), or failed while it began: no

@@ -125,22 +125,10 @@ fn init_logs() -> tracing_appender::non_blocking::WorkerGuard {
 /// of 380-391 at a million images); 8,192 measured the same RSS as this and no less CPU.
 const LOG_QUEUE_LINES: usize = 32768;
 
-/// Threads of the runtime's blocking pool (file I/O, fsynced writes, the cores of
-/// workers inside `block_in_place`). An idle thread ends after ten idle seconds, but a
-/// trickle of blocking calls keeps waking a different one, so the pool stayed at its
-/// high-water mark: 150-160 threads after a million-image push, each holding its
-/// allocator cache. Bounded, a 100,000-image ingest with conversion ended with 73
-/// threads instead of 138 and peaked at 370 MiB instead of 439 (531 s instead of 491).
-/// No task of the pool waits for another task of the pool (conversions, which wait for
-/// their store calls, run on threads of their own: `convert_queue`), so a full pool only
-/// queues calls, it never stops them.
-const BLOCKING_THREADS: usize = 64;
-
 fn main() -> std::process::ExitCode {
     let logs = init_logs();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .max_blocking_threads(BLOCKING_THREADS)
         .build()
         .expect("starting the tokio runtime");
     let result = runtime.block_on(run(Cli::parse()));
