@@ -62,12 +62,9 @@ def handler_buckets(addr, route):
     import urllib.request
     with urllib.request.urlopen(f"http://{addr}/metrics") as r:
         text = r.read().decode()
-    out = {}
-    for m in re.finditer(r'^amber_http_request_duration_seconds_bucket\{route="([^"]+)",method="GET",'
-                         r'le="([^"]+)"\} (\d+)$', text, re.M):
-        if m.group(1) == route:
-            out[m.group(2)] = int(m.group(3))
-    return out
+    pattern = (r'^amber_http_request_duration_seconds_bucket\{route="' + re.escape(route) +
+               r'",method="GET",le="([^"]+)"\} (\d+)$')
+    return {m.group(1): int(m.group(2)) for m in re.finditer(pattern, text, re.M)}
 
 
 def path_file(work, name):
@@ -141,7 +138,7 @@ def by_tag_connections(work, addr):
     """GETs by tag over the paths `reads` wrote, with fewer closed-loop connections than
     its 64: where p99 meets the issue's 5 ms on this machine, whose load generator shares
     the registry's cores."""
-    return {n: wrk(work, addr, "tag", None, ACCEPT, "manifest", n) for n in (8, 16, 32)}
+    return {n: wrk(work, addr, "tag", None, ACCEPT, ROUTES["manifest by tag"], n) for n in (8, 16, 32)}
 
 
 def ui_pages(addr, images, per_page=200):
