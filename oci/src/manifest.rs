@@ -221,6 +221,22 @@ pub fn parse_manifest(
     })
 }
 
+/// The media type manifest `bytes` declare in their `mediaType` field, when they are a
+/// JSON object with one string field of that name. A manifest stored by [`parse_manifest`]
+/// has exactly this media type whenever its bytes declare one, so a reader holding the
+/// bytes can answer with it without the manifest's record.
+pub fn declared_media_type(bytes: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Declared<'a> {
+        #[serde(rename = "mediaType", borrow)]
+        media_type: Option<std::borrow::Cow<'a, str>>,
+    }
+    serde_json::from_slice::<Declared>(bytes)
+        .ok()?
+        .media_type
+        .map(String::from)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -305,5 +321,27 @@ mod tests {
                 .unwrap_or_else(|| panic!("{body} accepted"));
             assert!(err.0.contains(want), "{body}: {}", err.0);
         }
+    }
+
+    #[test]
+    fn declared_media_type_is_the_stored_one_or_none() {
+        // Declared: what parse_manifest stores, whatever Content-Type came with it.
+        for header in [Some(OCI_MANIFEST), Some("application/json"), None] {
+            let m = image("");
+            let stored = parse_manifest(m.as_bytes(), header).unwrap().media_type;
+            assert_eq!(
+                declared_media_type(m.as_bytes()).as_deref(),
+                Some(stored.as_str())
+            );
+        }
+        // Not declared, or not one string: the reader must use the manifest's record.
+        let without = image("").replace(&format!(r#""mediaType":"{OCI_MANIFEST}","#), "");
+        assert!(without.starts_with(r#"{"schemaVersion":2,"config""#));
+        assert_eq!(declared_media_type(without.as_bytes()), None);
+        let twice = image(&format!(r#","mediaType":"{DOCKER_MANIFEST}""#));
+        assert_eq!(declared_media_type(twice.as_bytes()), None);
+        assert_eq!(declared_media_type(br#"{"mediaType":5}"#), None);
+        assert_eq!(declared_media_type(b"not json"), None);
+        assert_eq!(declared_media_type(br#"{"mediaType":"a"} x"#), None);
     }
 }

@@ -4,6 +4,8 @@
 //! (`manifest_bytes`: one more lookup in a table of the index, by digest), then
 //! the store's object (on local disk an open, two stats, a read and a close of a file in a
 //! tree of millions; on S3 a GET), which then fills both. Pushes fill both too.
+//! A GET by tag that finds the bytes here or in the index's copy answers with the media
+//! type they declare and reads no manifest record (`Registry::held_manifest`).
 //!
 //! At a million images the files of the manifests were 5 GiB of 4 KiB blocks (a
 //! manifest is about a kilobyte) beside their inodes and directories, which the page

@@ -15,6 +15,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::bytes_cache::Ticket;
 use crate::index::{Conversion, ConversionState, IndexError, ManifestRecord, ManifestWrite};
 use crate::registry::Registry;
 use crate::store::{ObjectKey, RecordKey, StoreError};
@@ -367,25 +368,17 @@ impl Registry {
     /// The bytes of manifest `digest`: from memory, else from the index's copy, else from
     /// the store (then kept in both, once checked against the digest).
     pub async fn manifest_bytes(&self, digest: &Digest) -> Result<Bytes, RecordError> {
-        use crate::manifest_cache::{Held, HITS, INDEX_HITS, MISSES};
-        let ticket = match self.manifests.get(digest) {
-            Held::Bytes(bytes) => {
-                metrics::counter!(HITS).increment(1);
-                return Ok(bytes);
-            }
-            Held::Off => {
-                metrics::counter!(MISSES).increment(1);
-                return Ok(self.store.read_all(&ObjectKey::blob(digest)).await?);
-            }
-            Held::Missing(ticket) => ticket,
+        use crate::manifest_cache::MISSES;
+        let ticket = match self.held_manifest_bytes(digest)? {
+            Ok(bytes) => return Ok(bytes),
+            Err(ticket) => ticket,
         };
-        if let Some(bytes) = self.index.manifest_bytes(digest)? {
-            metrics::counter!(INDEX_HITS).increment(1);
-            self.manifests.fill(ticket, digest, bytes.clone());
-            return Ok(bytes);
-        }
         metrics::counter!(MISSES).increment(1);
         let bytes = self.store.read_all(&ObjectKey::blob(digest)).await?;
+        let Some(ticket) = ticket else {
+            // The cache is off: no copies anywhere.
+            return Ok(bytes);
+        };
         if Digest::of(digest.algorithm(), &bytes) == *digest {
             self.index.put_manifest_bytes(digest, &bytes)?;
             self.manifests.fill(ticket, digest, bytes.clone());
@@ -395,6 +388,47 @@ impl Registry {
             tracing::warn!(%digest, "stored manifest does not match its digest; not cached");
         }
         Ok(bytes)
+    }
+
+    /// Manifest `digest`'s bytes and the media type they declare, when memory or the
+    /// index's copy holds them and they declare one (`declared_media_type`); `None`
+    /// sends the caller to the manifest's record and [`Self::manifest_bytes`].
+    ///
+    /// What a GET by tag answers with, one lookup fewer than through the repository's
+    /// manifest record: a tag names only a manifest its repository holds (the record is
+    /// written before any tag moves to it, `link_manifest`, and neither is ever removed),
+    /// and a stored manifest's record has the media type its bytes declare
+    /// (`parse_manifest` refuses a Content-Type that differs).
+    pub fn held_manifest(&self, digest: &Digest) -> Result<Option<(String, Bytes)>, RecordError> {
+        Ok(match self.held_manifest_bytes(digest)? {
+            Ok(bytes) => amber_oci::manifest::declared_media_type(&bytes).map(|t| (t, bytes)),
+            Err(_) => None,
+        })
+    }
+
+    /// Manifest `digest`'s bytes from memory or the index's copy (counted as hits), else
+    /// the ticket to fill memory with once they are read, `None` when the cache is off.
+    fn held_manifest_bytes(
+        &self,
+        digest: &Digest,
+    ) -> Result<Result<Bytes, Option<Ticket>>, RecordError> {
+        use crate::manifest_cache::{Held, HITS, INDEX_HITS};
+        let ticket = match self.manifests.get(digest) {
+            Held::Bytes(bytes) => {
+                metrics::counter!(HITS).increment(1);
+                return Ok(Ok(bytes));
+            }
+            Held::Off => return Ok(Err(None)),
+            Held::Missing(ticket) => ticket,
+        };
+        match self.index.manifest_bytes(digest)? {
+            Some(bytes) => {
+                metrics::counter!(INDEX_HITS).increment(1);
+                self.manifests.fill(ticket, digest, bytes.clone());
+                Ok(Ok(bytes))
+            }
+            None => Ok(Err(Some(ticket))),
+        }
     }
 
     /// Keeps `bytes`, just pushed and checked to be manifest `digest`'s, in memory and in

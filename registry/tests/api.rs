@@ -478,6 +478,69 @@ async fn manifests_round_trip_exact_bytes_for_all_four_media_types() {
     );
 }
 
+/// A GET by tag answers from the manifest's bytes with the media type they declare; bytes
+/// that declare none are answered with what each repository's record says, which can
+/// differ between repositories for the same bytes (the Content-Type each push sent).
+#[tokio::test]
+async fn media_type_by_tag_is_the_declared_one_or_each_repository_s_own() {
+    let s = Server::start(&[]);
+    let c = client();
+    let declared = format!("\"mediaType\":\"{OCI_MANIFEST}\",");
+    let mut bytes = String::new();
+    for (repo, content_type) in [("u/oci", OCI_MANIFEST), ("u/docker", DOCKER_MANIFEST)] {
+        let m = image_manifest(&s, repo, "undeclared", "").await;
+        let m = m.replace(&declared, "");
+        assert!(
+            !m.contains(OCI_MANIFEST) && !m.contains(DOCKER_MANIFEST),
+            "{m}"
+        );
+        bytes = m;
+        let r = put_manifest(&s, repo, "t", content_type, &bytes).await;
+        assert_eq!(r.status(), 201, "{repo}");
+    }
+    for (repo, content_type) in [("u/oci", OCI_MANIFEST), ("u/docker", DOCKER_MANIFEST)] {
+        // Twice: the first read may fill memory from the index, the second is served from it.
+        for _ in 0..2 {
+            let r = c
+                .get(s.url(&format!("/v2/{repo}/manifests/t")))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert_eq!(h(&r, "content-type"), content_type, "{repo}");
+            assert_eq!(h(&r, "content-length"), bytes.len().to_string());
+            assert_eq!(r.text().await.unwrap(), bytes);
+        }
+        let r = c
+            .head(s.url(&format!("/v2/{repo}/manifests/t")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(h(&r, "content-type"), content_type, "{repo}");
+        assert_eq!(h(&r, "content-length"), bytes.len().to_string());
+    }
+    // Declared: HEAD and GET by tag agree with the push, from memory and with it off.
+    for budget in ["67108864", "0"] {
+        let s = Server::start(&["--manifest-cache-bytes", budget]);
+        let m = image_manifest(&s, "d/x", "declared", "").await;
+        let r = put_manifest(&s, "d/x", "t", "application/json", &m).await;
+        assert_eq!(r.status(), 201);
+        for head in [false, true] {
+            let url = s.url("/v2/d/x/manifests/t");
+            let r = if head { c.head(url) } else { c.get(url) }
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert_eq!(h(&r, "content-type"), OCI_MANIFEST, "budget {budget}");
+            assert_eq!(h(&r, "content-length"), m.len().to_string());
+            assert_eq!(h(&r, "docker-content-digest"), sha256(m.as_bytes()));
+            let body = r.text().await.unwrap();
+            assert_eq!(body, if head { "" } else { m.as_str() });
+        }
+    }
+}
+
 #[tokio::test]
 async fn bad_manifests_get_4xx_with_the_spec_codes() {
     let s = Server::start(&[]);

@@ -5,6 +5,7 @@
 use axum::extract::Request;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
 use futures_util::StreamExt;
 
 use super::{header_str, AppState};
@@ -19,13 +20,26 @@ async fn lookup(
     name: &RepoName,
     r: &Reference,
 ) -> ApiResult<Option<(Digest, ManifestRecord)>> {
-    let digest = match r {
-        Reference::Digest(d) => d.clone(),
-        Reference::Tag(t) => match reg.tag(name, t).await? {
-            Some(d) => d,
-            None => return Ok(None),
-        },
-    };
+    match target(reg, name, r).await? {
+        Some(digest) => record(reg, name, digest).await,
+        None => Ok(None),
+    }
+}
+
+/// The digest `r` names in `name` now: itself, or where the tag points.
+async fn target(reg: &AppState, name: &RepoName, r: &Reference) -> ApiResult<Option<Digest>> {
+    Ok(match r {
+        Reference::Digest(d) => Some(d.clone()),
+        Reference::Tag(t) => reg.tag(name, t).await?,
+    })
+}
+
+/// Manifest `digest` with `name`'s record of it, if the repository holds it.
+async fn record(
+    reg: &AppState,
+    name: &RepoName,
+    digest: Digest,
+) -> ApiResult<Option<(Digest, ManifestRecord)>> {
     Ok(reg.manifest(name, &digest).await?.map(|rec| (digest, rec)))
 }
 
@@ -36,9 +50,18 @@ pub async fn find(
     name: &RepoName,
     r: &Reference,
 ) -> ApiResult<(Digest, ManifestRecord)> {
-    if let Some(found) = lookup(reg, name, r).await? {
-        return Ok(found);
+    match lookup(reg, name, r).await? {
+        Some(found) => Ok(found),
+        None => pull_through(reg, name, r).await,
     }
+}
+
+/// [`find`] once `name` was found not to hold what `r` names.
+async fn pull_through(
+    reg: &AppState,
+    name: &RepoName,
+    r: &Reference,
+) -> ApiResult<(Digest, ManifestRecord)> {
     if crate::upstream::pull_through(reg, name, r)
         .await
         .map_err(ApiError::upstream)?
@@ -53,22 +76,66 @@ pub async fn find(
     }))
 }
 
+/// What a GET or HEAD of a manifest answers with.
+struct Served {
+    digest: Digest,
+    media_type: String,
+    size: u64,
+    /// The manifest's bytes, when read (always for a GET).
+    bytes: Option<Bytes>,
+}
+
+/// GET or HEAD of manifest `r` in `name`. By tag, the manifest's bytes held in memory or
+/// in the index answer with the media type they declare (`Registry::held_manifest`),
+/// without the repository's record of the manifest; otherwise the record gives the media
+/// type and size, and a GET reads the bytes after it.
 pub async fn get(reg: &AppState, name: RepoName, r: Reference, head: bool) -> ApiResult<Response> {
-    let (digest, rec) = find(reg, &name, &r).await?;
-    let builder = Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, &rec.media_type)
-        .header(header::CONTENT_LENGTH, rec.size)
-        .header(header::ETAG, format!("\"{digest}\""))
-        .header("Docker-Content-Digest", digest.to_string());
-    let body = if head {
-        axum::body::Body::empty()
-    } else {
-        let bytes = reg.manifest_bytes(&digest).await?;
-        metrics::counter!(crate::metrics::BYTES_OUT).increment(bytes.len() as u64);
-        axum::body::Body::from(bytes)
+    let target = target(reg, &name, &r).await?;
+    let held = match (&r, &target) {
+        (Reference::Tag(_), Some(digest)) => reg.held_manifest(digest)?,
+        _ => None,
     };
-    Ok(builder
+    let served = match (held, target) {
+        (Some((media_type, bytes)), Some(digest)) => Served {
+            digest,
+            media_type,
+            size: bytes.len() as u64,
+            bytes: Some(bytes),
+        },
+        (_, target) => {
+            let found = match target {
+                Some(digest) => record(reg, &name, digest).await?,
+                None => None,
+            };
+            let (digest, rec) = match found {
+                Some(found) => found,
+                None => pull_through(reg, &name, &r).await?,
+            };
+            let bytes = match head {
+                true => None,
+                false => Some(reg.manifest_bytes(&digest).await?),
+            };
+            Served {
+                digest,
+                media_type: rec.media_type,
+                size: rec.size,
+                bytes,
+            }
+        }
+    };
+    let body = match served.bytes {
+        Some(bytes) if !head => {
+            metrics::counter!(crate::metrics::BYTES_OUT).increment(bytes.len() as u64);
+            axum::body::Body::from(bytes)
+        }
+        _ => axum::body::Body::empty(),
+    };
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, served.media_type)
+        .header(header::CONTENT_LENGTH, served.size)
+        .header(header::ETAG, format!("\"{}\"", served.digest))
+        .header("Docker-Content-Digest", served.digest.to_string())
         .body(body)
         .map_err(|e| ApiError::internal("response", e))?
         .into_response())
