@@ -15,6 +15,11 @@ import subprocess
 import time
 
 CONNECTIONS = 64
+# wrk's threads. One: on this 2-core machine the registry's two workers need both cores,
+# and a second wrk thread made four busy threads on two (at a million images, by tag: one
+# thread 436,000-508,000 requests in 10 s, p99 2.1-2.9 ms, using about half a core; two
+# threads 401,000-523,000, p99 4.4-5.2 ms; BENCHMARKS.md, "Metadata at scale").
+WRK_THREADS = 1
 SECONDS = 10
 # Reads draw from at most this many of the pushed images, picked at random: all of them up to
 # a million, so a read meets the index's memory as a client spread over the whole registry would.
@@ -65,6 +70,11 @@ def handler_buckets(addr, route):
     return {m.group(1): int(m.group(2)) for m in re.finditer(pattern, text, re.M)}
 
 
+def wrk_threads():
+    """wrk's threads, in words."""
+    return "1 thread" if WRK_THREADS == 1 else f"{WRK_THREADS} threads"
+
+
 def path_file(work, name):
     """Where the paths of read `name` are written, one a line."""
     return os.path.join(work, f"paths-{name}.txt")
@@ -84,7 +94,7 @@ def wrk(work, addr, name, paths, accept=None, route=None, connections=CONNECTION
     script = os.path.join(work, "random-paths.lua")
     with open(script, "w") as f:
         f.write(LUA)
-    cmd = ["wrk", "-t", "2", "-c", str(connections), "-d", f"{SECONDS}s", "--latency", "-s", script]
+    cmd = ["wrk", "-t", str(WRK_THREADS), "-c", str(connections), "-d", f"{SECONDS}s", "--latency", "-s", script]
     if accept:
         cmd += ["-H", f"Accept: {accept}"]
     out = subprocess.run(cmd + [f"http://{addr}", "--", plist], check=True, capture_output=True, text=True).stdout
@@ -277,9 +287,9 @@ def scale_section(res):
         "200 small files, a layer of its own with the task's files, a config of its own; every 4th image has a",
         "referrer, an artifact manifest with a report blob), conversion on, into one `amber-registry` on local disk",
         "(RocksDB index). Ingest: from the first push to every image's `resolve` answering `done`. Reads: wrk, 64",
-        f"connections, {SECONDS} s each, GETs of paths drawn at random from the pushed images (manifests by tag and",
-        "by digest, tag lists, catalog pages of 100 after a random repository, referrers, resolve; each wrk thread",
-        "formats every request once before the run and stops LuaJIT's collector, so that wrk's percentiles are the",
+        f"connections, {wrk_threads()}, {SECONDS} s each, GETs of paths drawn at random from the pushed images (manifests by tag and",
+        "by digest, tag lists, catalog pages of 100 after a random repository, referrers, resolve; wrk formats",
+        "every request once before the run and stops LuaJIT's collector, so that wrk's percentiles are the",
         "wire's).",
         "",
         "| images | ingest (images/s) | " + " | ".join(
@@ -348,7 +358,7 @@ def scale_section(res):
     if "by_tag_connections" in last:
         conns = list(last["by_tag_connections"])
         lines += [
-            "Manifest GETs by tag with fewer connections (the same random paths; wrk, 2 threads): "
+            f"Manifest GETs by tag with fewer connections (the same random paths; wrk, {wrk_threads()}): "
             "req/s, p50 / p99 (ms), and the share the registry answered within 1 ms.",
             "",
             "| images | " + " | ".join(f"{c} connections" for c in conns) + " | 64 connections (above) |",
