@@ -37,11 +37,33 @@ def bin_path(name: str) -> str:
 
 
 def docker(*args: str) -> str:
+    """Runs the docker CLI against the test engine; a failure says what the CLI said and
+    whether the engine's socket was there."""
     if not shutil.which("docker"):
         raise RuntimeError("the docker CLI is not installed")
-    return subprocess.run(
-        ["docker", "-H", need("AMBER_TEST_DOCKER_HOST"), *args], check=True, capture_output=True, text=True
-    ).stdout
+    host = need("AMBER_TEST_DOCKER_HOST")
+    r = subprocess.run(["docker", "-H", host, *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        sock = Path(host.removeprefix("unix://"))
+        raise RuntimeError(
+            f"docker {' '.join(args)} exited {r.returncode}: {r.stderr.strip()} "
+            f"(engine socket {sock} {'exists' if sock.exists() else 'is missing'})"
+        )
+    return r.stdout
+
+
+def wait_for_docker_engine(deadline_s: float = 60.0) -> None:
+    """Waits until the test engine answers `docker version` (it is started by scripts/test
+    and shared with the Rust tests before this session), failing with its last answer."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            docker("version", "--format", "{{.Server.Version}}")
+            return
+        except RuntimeError as e:
+            if time.monotonic() > end:
+                raise RuntimeError(f"the Docker engine did not answer within {deadline_s:.0f} s: {e}") from e
+        time.sleep(0.5)
 
 
 @dataclass
@@ -137,6 +159,7 @@ def images(registry, workdir):
     """Four small images (busybox plus one file each), converted; their references."""
     rootfs = workdir / "busybox.tar"
     subprocess.run([str(ROOT / "fixtures/busybox-rootfs.sh"), str(rootfs)], check=True, capture_output=True)
+    wait_for_docker_engine()
     docker("import", str(rootfs), "amber-test/busybox:1")
     refs = []
     for i in range(4):

@@ -499,7 +499,8 @@ async fn media_type_by_tag_is_the_declared_one_or_each_repository_s_own() {
         assert_eq!(r.status(), 201, "{repo}");
     }
     for (repo, content_type) in [("u/oci", OCI_MANIFEST), ("u/docker", DOCKER_MANIFEST)] {
-        // Twice: the first read may fill memory from the index, the second is served from it.
+        // Twice, after the other repository's reads too: each answer is this repository's
+        // record, never a media type kept from a read of the same bytes elsewhere.
         for _ in 0..2 {
             let r = c
                 .get(s.url(&format!("/v2/{repo}/manifests/t")))
