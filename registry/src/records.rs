@@ -15,7 +15,6 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::bytes_cache::Ticket;
 use crate::index::{Conversion, ConversionState, IndexError, ManifestRecord, ManifestWrite};
 use crate::registry::Registry;
 use crate::store::{ObjectKey, RecordKey, StoreError};
@@ -368,10 +367,11 @@ impl Registry {
     /// The bytes of manifest `digest`: from memory, else from the index's copy, else from
     /// the store (then kept in both, once checked against the digest).
     pub async fn manifest_bytes(&self, digest: &Digest) -> Result<Bytes, RecordError> {
-        use crate::manifest_cache::MISSES;
+        use crate::manifest_cache::{Held, MISSES};
         let ticket = match self.held_manifest_bytes(digest)? {
-            Ok(bytes) => return Ok(bytes),
-            Err(ticket) => ticket,
+            Held::Bytes(bytes) => return Ok(bytes),
+            Held::Missing(ticket) => Some(ticket),
+            Held::Off => None,
         };
         metrics::counter!(MISSES).increment(1);
         let bytes = self.store.read_all(&ObjectKey::blob(digest)).await?;
@@ -401,34 +401,36 @@ impl Registry {
     /// (`parse_manifest` refuses a Content-Type that differs).
     pub fn held_manifest(&self, digest: &Digest) -> Result<Option<(String, Bytes)>, RecordError> {
         Ok(match self.held_manifest_bytes(digest)? {
-            Ok(bytes) => amber_oci::manifest::declared_media_type(&bytes).map(|t| (t, bytes)),
-            Err(_) => None,
+            crate::manifest_cache::Held::Bytes(bytes) => {
+                amber_oci::manifest::declared_media_type(&bytes).map(|t| (t, bytes))
+            }
+            _ => None,
         })
     }
 
-    /// Manifest `digest`'s bytes from memory or the index's copy (counted as hits), else
-    /// the ticket to fill memory with once they are read, `None` when the cache is off.
+    /// What memory holds of manifest `digest`, with the index's copy standing in for
+    /// memory on a miss (and filling it); hits of either are counted.
     fn held_manifest_bytes(
         &self,
         digest: &Digest,
-    ) -> Result<Result<Bytes, Option<Ticket>>, RecordError> {
+    ) -> Result<crate::manifest_cache::Held, RecordError> {
         use crate::manifest_cache::{Held, HITS, INDEX_HITS};
         let ticket = match self.manifests.get(digest) {
+            Held::Missing(ticket) => ticket,
             Held::Bytes(bytes) => {
                 metrics::counter!(HITS).increment(1);
-                return Ok(Ok(bytes));
+                return Ok(Held::Bytes(bytes));
             }
-            Held::Off => return Ok(Err(None)),
-            Held::Missing(ticket) => ticket,
+            Held::Off => return Ok(Held::Off),
         };
-        match self.index.manifest_bytes(digest)? {
+        Ok(match self.index.manifest_bytes(digest)? {
             Some(bytes) => {
                 metrics::counter!(INDEX_HITS).increment(1);
                 self.manifests.fill(ticket, digest, bytes.clone());
-                Ok(Ok(bytes))
+                Held::Bytes(bytes)
             }
-            None => Ok(Err(Some(ticket))),
-        }
+            None => Held::Missing(ticket),
+        })
     }
 
     /// Keeps `bytes`, just pushed and checked to be manifest `digest`'s, in memory and in

@@ -85,6 +85,36 @@ struct Served {
     bytes: Option<Bytes>,
 }
 
+/// What `get` answers with through `name`'s record of the manifest `target` names (`r`
+/// resolved), pulled through from the upstream when the repository does not hold it; the
+/// bytes are read for a GET only.
+async fn through_record(
+    reg: &AppState,
+    name: &RepoName,
+    r: &Reference,
+    target: Option<Digest>,
+    head: bool,
+) -> ApiResult<Served> {
+    let found = match target {
+        Some(digest) => record(reg, name, digest).await?,
+        None => None,
+    };
+    let (digest, rec) = match found {
+        Some(found) => found,
+        None => pull_through(reg, name, r).await?,
+    };
+    let bytes = match head {
+        true => None,
+        false => Some(reg.manifest_bytes(&digest).await?),
+    };
+    Ok(Served {
+        digest,
+        media_type: rec.media_type,
+        size: rec.size,
+        bytes,
+    })
+}
+
 /// GET or HEAD of manifest `r` in `name`. By tag, the manifest's bytes held in memory or
 /// in the index answer with the media type they declare (`Registry::held_manifest`),
 /// without the repository's record of the manifest; otherwise the record gives the media
@@ -92,36 +122,20 @@ struct Served {
 pub async fn get(reg: &AppState, name: RepoName, r: Reference, head: bool) -> ApiResult<Response> {
     let target = target(reg, &name, &r).await?;
     let held = match (&r, &target) {
-        (Reference::Tag(_), Some(digest)) => reg.held_manifest(digest)?,
+        (Reference::Tag(_), Some(digest)) => {
+            reg.held_manifest(digest)?
+                .map(|(media_type, bytes)| Served {
+                    digest: digest.clone(),
+                    media_type,
+                    size: bytes.len() as u64,
+                    bytes: Some(bytes),
+                })
+        }
         _ => None,
     };
-    let served = match (held, target) {
-        (Some((media_type, bytes)), Some(digest)) => Served {
-            digest,
-            media_type,
-            size: bytes.len() as u64,
-            bytes: Some(bytes),
-        },
-        (_, target) => {
-            let found = match target {
-                Some(digest) => record(reg, &name, digest).await?,
-                None => None,
-            };
-            let (digest, rec) = match found {
-                Some(found) => found,
-                None => pull_through(reg, &name, &r).await?,
-            };
-            let bytes = match head {
-                true => None,
-                false => Some(reg.manifest_bytes(&digest).await?),
-            };
-            Served {
-                digest,
-                media_type: rec.media_type,
-                size: rec.size,
-                bytes,
-            }
-        }
+    let served = match held {
+        Some(served) => served,
+        None => through_record(reg, &name, &r, target, head).await?,
     };
     let body = match served.bytes {
         Some(bytes) if !head => {
