@@ -3,21 +3,13 @@
 //!
 //! A conversion compresses the chunks it is first to store cheaply, so its image is
 //! usable sooner (the corpus benchmark: level 9 is half of a conversion's CPU), and notes
-//! each in the index (`recompress` family, `Index::put_chunk`). A thread of its own, at
-//! the lowest CPU priority, takes them a batch at a time whenever no conversion runs or
-//! is lined up in this process: it reads each chunk from the store, decompresses it,
-//! checks that the bytes hash to the chunk's id, and compresses them at the store's
-//! level; the object is replaced when that is smaller (`ObjectStore::put_replacing`).
-//! Readers never notice: a read gets one encoding whole, both decompress to the same
-//! bytes, and every reader checks them against the id.
-//!
-//! None of it runs on the runtime's workers. Right after a large ingest the loop has
-//! millions of chunks to go, and the chunk reads (small files, read where they are
-//! asked for), the index's writes (which RocksDB slows down while it compacts what the
-//! ingest wrote) and their hand-offs of a worker's core would otherwise sit between
-//! requests and the workers that answer them: the million-image bench's first reads,
-//! taken just then, ran at a third of their later rate (BENCHMARKS.md, "Metadata at
-//! scale").
+//! each in the index (`recompress` family, `Index::put_chunk`). This loop takes them a
+//! batch at a time whenever no conversion runs or is lined up in this process: it reads
+//! each chunk from the store, and a thread of its own, at the lowest CPU priority,
+//! decompresses it, checks that the bytes hash to the chunk's id, and compresses them at
+//! the store's level; the object is replaced when that is smaller
+//! (`ObjectStore::put_replacing`). Readers never notice: a read gets one encoding whole,
+//! both decompress to the same bytes, and every reader checks them against the id.
 //!
 //! Invariants kept here:
 //! - an object is only ever replaced by another encoding of the bytes its id names,
@@ -33,8 +25,6 @@
 
 use std::sync::Arc;
 use std::time::Duration;
-
-use tokio::runtime::Handle;
 
 use amber_oci::env::ChunkId;
 use bytes::Bytes;
@@ -64,102 +54,98 @@ enum RecompressError {
     Compress(std::io::Error),
     #[error("noting it in the index: {0}")]
     Index(#[from] crate::index::IndexError),
+    #[error("the recompression thread is gone")]
+    ThreadGone,
 }
 
-/// Starts recompression on a thread of its own at the lowest CPU priority. Without
-/// notes it only looks at the index when a conversion ends, or every `IDLE_CHECK`. The
-/// server's `stop_background` waits for the thread, which ends after the chunk in hand.
+/// One chunk for the compression thread; the answer is its new encoding when smaller.
+struct Job {
+    id: ChunkId,
+    stored: Bytes,
+    level: i32,
+    done: tokio::sync::oneshot::Sender<Result<Option<Vec<u8>>, RecompressError>>,
+}
+
+/// Starts the loop (and its compression thread). Without notes it only looks at the
+/// index when a conversion ends, or every `IDLE_CHECK`.
 pub fn start(reg: &Arc<Registry>) -> std::io::Result<()> {
-    let waiting = reg.index.totals().map_or(0, |t| t.chunks_to_recompress);
-    metrics::gauge!(CHUNKS_TO_RECOMPRESS).set(waiting as f64);
-    let handle = tokio::runtime::Handle::current();
-    let (ended, thread_ended) = tokio::sync::oneshot::channel::<()>();
-    let on_thread = reg.clone();
+    let (jobs, mut queue) = tokio::sync::mpsc::channel::<Job>(1);
+    // Ends when the loop drops `jobs` (the server stopped).
     std::thread::Builder::new()
         .name("amber-recompress".into())
         .spawn(move || {
             lowest_priority();
-            run(&on_thread, &handle);
-            let _ = ended.send(());
+            while let Some(job) = queue.blocking_recv() {
+                let _ = job.done.send(recompress(&job.id, &job.stored, job.level));
+            }
         })?;
-    reg.spawn_tracked(|_| async move {
-        let _ = thread_ended.await;
+    let waiting = reg.index.totals().map_or(0, |t| t.chunks_to_recompress);
+    metrics::gauge!(CHUNKS_TO_RECOMPRESS).set(waiting as f64);
+    reg.spawn_background(move |reg| async move {
+        let mut after: Option<String> = None;
+        loop {
+            let idle = !reg.converting_any();
+            let batch = if idle {
+                match reg.index.chunks_to_recompress(after.as_deref(), BATCH) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "listing chunks to recompress");
+                        Vec::new()
+                    }
+                }
+            } else {
+                Vec::new()
+            };
+            if batch.is_empty() {
+                // From the start again at the next pass (notes made meanwhile sort anywhere).
+                let restart = after.take().is_some() && idle;
+                if !restart {
+                    tokio::select! {
+                        _ = tokio::time::sleep(IDLE_CHECK) => {}
+                        _ = reg.conversions_settled.notified() => {}
+                    }
+                }
+                continue;
+            }
+            after = batch.last().cloned();
+            for id in batch {
+                if reg.converting_any() {
+                    break;
+                }
+                if let Err(e) = one(&reg, &jobs, &id).await {
+                    tracing::warn!(chunk = %id, error = %e, "recompressing a chunk");
+                    if matches!(e, RecompressError::Damaged(_)) {
+                        if let Ok(Some(size)) = reg.index.chunk(&id) {
+                            if let Ok(true) = reg.index.recompressed(&id, size) {
+                                metrics::gauge!(CHUNKS_TO_RECOMPRESS).decrement(1);
+                            }
+                        }
+                    } else {
+                        // The store or the thread failed: try again at a later pass.
+                        tokio::time::sleep(IDLE_CHECK).await;
+                        break;
+                    }
+                }
+            }
+        }
     });
     Ok(())
 }
 
-/// The loop: a batch of notes at a time while nothing converts, until the server stops.
-/// Everything a chunk costs (its read, the index's reads and writes, which RocksDB may
-/// slow down after a large ingest, the replace) runs here, never on a worker that
-/// answers requests.
-fn run(reg: &Registry, handle: &Handle) {
-    let mut after: Option<String> = None;
-    while !reg.stopping.is_cancelled() {
-        let idle = !reg.converting_any();
-        let batch = if idle {
-            match reg.index.chunks_to_recompress(after.as_deref(), BATCH) {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::warn!(error = %e, "listing chunks to recompress");
-                    Vec::new()
-                }
-            }
-        } else {
-            Vec::new()
-        };
-        if batch.is_empty() {
-            // From the start again at the next pass (notes made meanwhile sort anywhere).
-            let restart = after.take().is_some() && idle;
-            if !restart {
-                pause(reg, handle, true);
-            }
-            continue;
-        }
-        after = batch.last().cloned();
-        for id in batch {
-            if reg.converting_any() || reg.stopping.is_cancelled() {
-                break;
-            }
-            if let Err(e) = one(reg, handle, &id) {
-                tracing::warn!(chunk = %id, error = %e, "recompressing a chunk");
-                if matches!(e, RecompressError::Damaged(_)) {
-                    if let Ok(Some(size)) = reg.index.chunk(&id) {
-                        if let Ok(true) = reg.index.recompressed(&id, size) {
-                            metrics::gauge!(CHUNKS_TO_RECOMPRESS).decrement(1);
-                        }
-                    }
-                } else {
-                    // The store or the index failed: try again at a later pass.
-                    pause(reg, handle, false);
-                    break;
-                }
-            }
-        }
-    }
-}
-
-/// Waits `IDLE_CHECK`, or less: until the server stops or (when `woken_by_conversions`)
-/// a conversion ends.
-fn pause(reg: &Registry, handle: &Handle, woken_by_conversions: bool) {
-    handle.block_on(async {
-        tokio::select! {
-            _ = tokio::time::sleep(IDLE_CHECK) => {}
-            _ = reg.stopping.cancelled() => {}
-            _ = reg.conversions_settled.notified(), if woken_by_conversions => {}
-        }
-    });
-}
-
 /// Recompresses chunk `id` (a note of the index), replaces it when smaller, and ends
 /// its note.
-fn one(reg: &Registry, handle: &Handle, id: &str) -> Result<(), RecompressError> {
+async fn one(
+    reg: &Arc<Registry>,
+    jobs: &tokio::sync::mpsc::Sender<Job>,
+    id: &str,
+) -> Result<(), RecompressError> {
     let Ok(chunk) = id.parse::<ChunkId>() else {
         return Err(RecompressError::Damaged(format!(
             "{id:?} is not a chunk id"
         )));
     };
     let key = ObjectKey::chunk(&chunk);
-    let stored = match handle.block_on(reg.store.read_all(&key)) {
+    let stored = match reg.store.read_all(&key).await {
         Ok(b) => b,
         Err(StoreError::NotFound(_)) => {
             return Err(RecompressError::Damaged(
@@ -168,10 +154,20 @@ fn one(reg: &Registry, handle: &Handle, id: &str) -> Result<(), RecompressError>
         }
         Err(e) => return Err(e.into()),
     };
-    let size = match recompress(&chunk, &stored, reg.config.chunk_zstd_level)? {
+    let (done, answer) = tokio::sync::oneshot::channel();
+    let job = Job {
+        id: chunk,
+        stored: stored.clone(),
+        level: reg.config.chunk_zstd_level,
+        done,
+    };
+    jobs.send(job)
+        .await
+        .map_err(|_| RecompressError::ThreadGone)?;
+    let size = match answer.await.map_err(|_| RecompressError::ThreadGone)?? {
         Some(smaller) => {
             let size = smaller.len() as u64;
-            handle.block_on(reg.store.put_replacing(&key, Bytes::from(smaller)))?;
+            reg.store.put_replacing(&key, Bytes::from(smaller)).await?;
             metrics::counter!(CHUNKS_RECOMPRESSED).increment(1);
             metrics::counter!(RECOMPRESSION_SAVED_BYTES).increment(stored.len() as u64 - size);
             size
