@@ -11,6 +11,12 @@
 //! (`ObjectStore::put_replacing`). Readers never notice: a read gets one encoding whole,
 //! both decompress to the same bytes, and every reader checks them against the id.
 //!
+//! The loop is a task on the runtime, so under load it waits behind the requests at
+//! every await and slows down by itself (on a nice-19 thread of its own it went 3.4x
+//! faster during reads and took a fifth to a quarter of their rate: BENCHMARKS.md,
+//! "Metadata at scale"). What may wait on the disk (the chunk's read, the index's note)
+//! runs on the blocking pool, not on a worker.
+//!
 //! Invariants kept here:
 //! - an object is only ever replaced by another encoding of the bytes its id names,
 //!   checked before the replace;
@@ -56,6 +62,8 @@ enum RecompressError {
     Index(#[from] crate::index::IndexError),
     #[error("the recompression thread is gone")]
     ThreadGone,
+    #[error("its read or its note did not finish: {0}")]
+    Unfinished(tokio::task::JoinError),
 }
 
 /// One chunk for the compression thread; the answer is its new encoding when smaller.
@@ -145,7 +153,12 @@ async fn one(
         )));
     };
     let key = ObjectKey::chunk(&chunk);
-    let stored = match reg.store.read_all(&key).await {
+    // Read on a blocking thread, not a worker: a chunk written long ago is often out of
+    // the page cache, and the fs store reads small objects where they are asked for.
+    let (store, read_key) = (reg.store.clone(), key.clone());
+    let handle = tokio::runtime::Handle::current();
+    let read = tokio::task::spawn_blocking(move || handle.block_on(store.read_all(&read_key)));
+    let stored = match read.await.map_err(RecompressError::Unfinished)? {
         Ok(b) => b,
         Err(StoreError::NotFound(_)) => {
             return Err(RecompressError::Damaged(
@@ -174,7 +187,10 @@ async fn one(
         }
         None => stored.len() as u64,
     };
-    if reg.index.recompressed(id, size)? {
+    // The note too: RocksDB slows writes down while it compacts after a large ingest.
+    let (on_pool, noted) = (reg.clone(), id.to_string());
+    let note = tokio::task::spawn_blocking(move || on_pool.index.recompressed(&noted, size));
+    if note.await.map_err(RecompressError::Unfinished)?? {
         metrics::gauge!(CHUNKS_TO_RECOMPRESS).decrement(1);
     }
     Ok(())
