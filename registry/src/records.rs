@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::index::{Conversion, ConversionState, IndexError, ManifestRecord, ManifestWrite};
+use crate::manifest_cache::{Held, HITS, INDEX_HITS, MISSES};
 use crate::registry::Registry;
 use crate::store::{ObjectKey, RecordKey, StoreError};
 use amber_oci::digest::Digest;
@@ -367,7 +368,6 @@ impl Registry {
     /// The bytes of manifest `digest`: from memory, else from the index's copy, else from
     /// the store (then kept in both, once checked against the digest).
     pub async fn manifest_bytes(&self, digest: &Digest) -> Result<Bytes, RecordError> {
-        use crate::manifest_cache::{Held, MISSES};
         let ticket = match self.held_manifest_bytes(digest)? {
             Held::Bytes(bytes) => return Ok(bytes),
             Held::Missing(ticket) => Some(ticket),
@@ -401,7 +401,7 @@ impl Registry {
     /// (`parse_manifest` refuses a Content-Type that differs).
     pub fn held_manifest(&self, digest: &Digest) -> Result<Option<(String, Bytes)>, RecordError> {
         Ok(match self.held_manifest_bytes(digest)? {
-            crate::manifest_cache::Held::Bytes(bytes) => {
+            Held::Bytes(bytes) => {
                 amber_oci::manifest::declared_media_type(&bytes).map(|t| (t, bytes))
             }
             _ => None,
@@ -410,11 +410,7 @@ impl Registry {
 
     /// What memory holds of manifest `digest`, with the index's copy standing in for
     /// memory on a miss (and filling it); hits of either are counted.
-    fn held_manifest_bytes(
-        &self,
-        digest: &Digest,
-    ) -> Result<crate::manifest_cache::Held, RecordError> {
-        use crate::manifest_cache::{Held, HITS, INDEX_HITS};
+    fn held_manifest_bytes(&self, digest: &Digest) -> Result<Held, RecordError> {
         let ticket = match self.manifests.get(digest) {
             Held::Missing(ticket) => ticket,
             Held::Bytes(bytes) => {
